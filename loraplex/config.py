@@ -1,0 +1,103 @@
+"""Frozen, validated configuration records for every engine knob.
+
+Each record validates itself once in ``__post_init__`` and raises ``ValueError`` with a message a
+user understands. Nothing mutates a config after construction; derived values are computed by the
+engine and kept beside the config, not written into it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+DType = Literal["auto", "float32", "float16", "bfloat16"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which base model to serve and how to run it."""
+
+    model: str | None = None  # a local Hugging Face directory (or hub id); None = embedded SmolLM2
+    dtype: DType = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda when available, else cpu
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(
+                f"dtype must be one of auto, float32, float16, bfloat16; got {self.dtype!r}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2; got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing. At most one of num_blocks / kv_cache_memory may be given."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # total blocks including the reserved null block
+    kv_cache_memory: int | None = None  # bytes for the KV cache (all layers)
+    gpu_memory_utilization: float = 0.9  # CUDA only: fraction of device memory to use
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size must be between 1 and 1024; got {self.block_size}")
+        if self.num_blocks is not None and self.kv_cache_memory is not None:
+            raise ValueError("give either num_blocks or kv_cache_memory, not both")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(
+                f"num_blocks must be at least 2 (block 0 is the reserved null block); "
+                f"got {self.num_blocks}"
+            )
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive byte count; got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits for one engine step."""
+
+    max_num_seqs: int = 64  # requests in one step
+    max_num_batched_tokens: int = 512  # tokens in one step (prefill chunks + decodes)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1; got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be at least 1; got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA limits: device slots, host cache entries and the largest rank accepted."""
+
+    max_loras: int = 4
+    max_cpu_loras: int = 16
+    max_lora_rank: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1; got {self.max_loras}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})"
+            )
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be at least 1; got {self.max_lora_rank}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    lora: LoRAConfig = LoRAConfig()

@@ -1,0 +1,248 @@
+"""Paged attention: the backend seam and the pure-torch backend used on CPU.
+
+A step's batch is flat: the query tokens of all scheduled requests, concatenated::
+
+    tokens   | r0 prefill chunk (L0) | r1 decode (1) | r2 decode (1) | r3 prefill chunk (L3) |
+    query_start_loc  0                 L0             L0+1            L0+2                 T
+
+Each request owns a block table; token position ``p`` of a request lives in KV slot
+``block_table[p // block_size] * block_size + p % block_size``. Block 0 is the null block: it stays
+zeroed, and padding entries of padded block tables point at it (the mask hides them anyway).
+
+``build_metadata`` runs once per step and prepares everything layer-independent (gather indices,
+masks); ``forward`` runs once per layer and only writes K/V and attends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Backend-neutral description of one step's flat batch (host arrays, built by the runner)."""
+
+    query_lens: np.ndarray  # [B] int64, tokens computed this step per request
+    start_positions: np.ndarray  # [B] int64, position of each request's first query token
+    block_tables: list[list[int]]  # [B][*] each request's blocks, covering start + query_len
+    slot_mapping: torch.Tensor  # [T] int64 on device, KV slot of every query token
+    block_size: int
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        return self.start_positions + self.query_lens  # [B] keys visible to the last query token
+
+
+@dataclass
+class AttentionMetadata:
+    """What every backend's metadata carries; backends subclass it with their own fields."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    num_tokens: int
+
+
+class AttentionBackend(Protocol):
+    """The seam between the model and the attention implementation (torch, Triton, ...)."""
+
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor."""
+        ...
+
+    def copy_blocks(self, kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer of ``kv_cache [layers, *layer_shape]``."""
+        ...
+
+    def build_metadata(self, layout: BatchLayout) -> AttentionMetadata:
+        """Once per step: everything the layers share."""
+        ...
+
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # one layer's cache
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Write k/v at the metadata's slots, then attend causally over each request's blocks."""
+        ...
+
+
+@dataclass
+class PrefillSeq:
+    """A request with more than one query token this step (a prefill chunk)."""
+
+    token_start: int  # first row in the flat batch
+    token_end: int  # one past the last row
+    start_pos: int  # position of the first query token (keys before it come from the cache)
+    blocks: torch.Tensor  # [ceil(seq_len / block_size)] int64, the blocks holding its keys
+    mask: torch.Tensor | None  # [q_len, seq_len] bool (True = attend); None when start_pos == 0
+
+
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    # Decode rows (query length 1) of all requests, attended in one batched call per layer.
+    decode_rows: torch.Tensor | slice  # [D] rows of the flat batch (a slice when contiguous)
+    num_decodes: int
+    decode_block_tables: torch.Tensor  # [D, max_blocks] int64, padded with the null block
+    decode_mask: torch.Tensor  # [D, 1, 1, max_blocks * block_size] bool, True = attend
+    prefills: list[PrefillSeq]
+
+
+class TorchPagedAttention:
+    """Paged attention in plain torch (CPU, or any device as a reference).
+
+    Layer cache layout ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V) so that
+    ``cache[0].view(-1, H, D)`` addresses slots directly and ``cache[0][block_table]`` gathers whole
+    blocks (contiguous runs of ``block_size * H * D`` values, not single slots).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    def copy_blocks(self, kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=kv_cache.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=kv_cache.device)
+        # [layers, 2, num_blocks, ...]: one gather and one scatter over all layers at once
+        kv_cache[:, :, dst] = kv_cache[:, :, src]
+
+    def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
+        bs = layout.block_size
+        qlens = layout.query_lens
+        starts = layout.start_positions
+        seq_lens = layout.seq_lens
+        qstart = np.zeros(len(qlens) + 1, dtype=np.int64)
+        np.cumsum(qlens, out=qstart[1:])
+        num_tokens = int(qstart[-1])
+
+        is_decode = qlens == 1
+        decode_idx = np.flatnonzero(is_decode)  # [D] request indices
+        num_decodes = len(decode_idx)
+        decode_rows: torch.Tensor | slice
+        rows = qstart[decode_idx]  # [D] flat-batch rows
+        if num_decodes and rows[-1] - rows[0] == num_decodes - 1:
+            decode_rows = slice(int(rows[0]), int(rows[-1]) + 1)
+        else:
+            decode_rows = torch.from_numpy(rows).to(self.device)
+
+        if num_decodes:
+            d_seq = seq_lens[decode_idx]  # [D]
+            max_blocks = int((d_seq.max() + bs - 1) // bs)
+            table = np.zeros((num_decodes, max_blocks), dtype=np.int64)  # 0 = null block
+            for row, i in enumerate(decode_idx.tolist()):
+                n = (int(seq_lens[i]) + bs - 1) // bs
+                table[row, :n] = layout.block_tables[i][:n]
+            ctx = np.arange(max_blocks * bs, dtype=np.int64)
+            mask = ctx[None, :] < d_seq[:, None]  # [D, ctx] causal: keys at positions <= query's
+            decode_tables = torch.from_numpy(table).to(self.device)
+            decode_mask = torch.from_numpy(mask).to(self.device)[:, None, None, :]
+        else:
+            decode_tables = torch.zeros((0, 1), dtype=torch.long, device=self.device)
+            decode_mask = torch.zeros((0, 1, 1, bs), dtype=torch.bool, device=self.device)
+
+        prefills: list[PrefillSeq] = []
+        for i in np.flatnonzero(~is_decode).tolist():
+            start, qlen, slen = int(starts[i]), int(qlens[i]), int(seq_lens[i])
+            n = (slen + bs - 1) // bs
+            blocks = torch.tensor(layout.block_tables[i][:n], dtype=torch.long, device=self.device)
+            mask = None
+            if start > 0:
+                q_pos = torch.arange(start, slen, device=self.device)  # [q_len]
+                k_pos = torch.arange(slen, device=self.device)  # [seq_len]
+                mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+            prefills.append(
+                PrefillSeq(int(qstart[i]), int(qstart[i]) + qlen, start, blocks, mask)
+            )
+
+        return TorchAttentionMetadata(
+            slot_mapping=layout.slot_mapping,
+            num_tokens=num_tokens,
+            decode_rows=decode_rows,
+            num_decodes=num_decodes,
+            decode_block_tables=decode_tables,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        assert isinstance(metadata, TorchAttentionMetadata)
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, H_kv, D] each
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+
+        if metadata.num_decodes == num_tokens and not metadata.prefills:
+            return self._decode(q, k_cache, v_cache, metadata)  # all decodes: no scatter needed
+        out = torch.empty_like(q)  # [T, H, D]
+        if metadata.num_decodes:
+            out[metadata.decode_rows] = self._decode(
+                q[metadata.decode_rows], k_cache, v_cache, metadata
+            )
+        for seq in metadata.prefills:
+            out[seq.token_start : seq.token_end] = self._prefill(
+                seq, q, k, v, k_cache, v_cache
+            )
+        return out
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor,  # [D, H, Dh]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, Dh]
+        v_cache: torch.Tensor,
+        md: TorchAttentionMetadata,
+    ) -> torch.Tensor:  # [D, H, Dh]
+        n, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        tables = md.decode_block_tables  # [D, nb]
+        # Query heads of one KV head become that head's "query length": plain batched attention.
+        qg = q.view(n, num_kv_heads, group, head_dim)  # [D, H_kv, G, Dh]
+        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [D, H_kv, ctx, Dh]
+        vals = v_cache[tables].flatten(1, 2).transpose(1, 2)  # [D, H_kv, ctx, Dh]
+        out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=md.decode_mask)
+        return out.reshape(n, num_heads, head_dim)  # [D, H, Dh]
+
+    @staticmethod
+    def _prefill(
+        seq: PrefillSeq,
+        q: torch.Tensor,  # [T, H, Dh]
+        k: torch.Tensor,  # [T, H_kv, Dh]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, Dh]
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:  # [q_len, H, Dh]
+        qs = q[seq.token_start : seq.token_end].transpose(0, 1)  # [H, q_len, Dh]
+        if seq.mask is None:  # first chunk: every key is in this step's k/v
+            ks = k[seq.token_start : seq.token_end].transpose(0, 1)  # [H_kv, q_len, Dh]
+            vs = v[seq.token_start : seq.token_end].transpose(0, 1)
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        else:
+            seq_len = seq.mask.shape[1]
+            ks = k_cache[seq.blocks].flatten(0, 1)[:seq_len].transpose(0, 1)  # [H_kv, S, Dh]
+            vs = v_cache[seq.blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
+            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, enable_gqa=True)
+        return out.transpose(0, 1)  # [q_len, H, Dh]

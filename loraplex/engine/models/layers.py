@@ -1,0 +1,190 @@
+"""Building blocks shared by the decoder models: linear layers, RMSNorm, rotary embeddings.
+
+Parameters are created with ``torch.empty`` (no random init): the loader fills every one of them
+and fails on any it did not fill.
+
+Linear layers are small classes with a ``weight_loader`` so that (a) the loader copies checkpoint
+shards into packed layers by name, and (b) a LoRA wrapper can later replace ``forward`` while
+reading ``output_slices`` to add one delta per packed slice.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T (+ b)`` with ``W [out_features, in_features]``, loaded from one tensor."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+        )
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(out_features, dtype=dtype, device=device), requires_grad=False
+            )
+
+    @property
+    def output_slices(self) -> dict[str, tuple[int, int]]:
+        """``{shard_name: (offset, size)}`` along the output dimension; one slice when unpacked."""
+        return {"": (0, self.out_features)}
+
+    def load_shard(self, param_name: str, shard: str, loaded: torch.Tensor) -> None:
+        """Copy ``loaded`` into parameter ``param_name`` ("weight"/"bias"), slice ``shard``."""
+        param: torch.Tensor | None = getattr(self, param_name)
+        if param is None:
+            raise KeyError(param_name)
+        offset, size = self.output_slices[shard]
+        target = param.data.narrow(0, offset, size)
+        if tuple(target.shape) != tuple(loaded.shape):
+            raise ValueError(
+                f"shape mismatch: checkpoint has {tuple(loaded.shape)}, model expects "
+                f"{tuple(target.shape)}"
+            )
+        target.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # [T, out_features]
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+class PackedLinear(Linear):
+    """Several projections of the same input fused along the output dimension.
+
+    ``qkv_proj``: rows ``[0, q) | [q, q+k) | [q+k, q+k+v)`` hold ``q_proj | k_proj | v_proj``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: dict[str, int],
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias, dtype, device)
+        slices: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, size in shard_sizes.items():
+            slices[name] = (offset, size)
+            offset += size
+        self._slices = slices
+
+    @property
+    def output_slices(self) -> dict[str, tuple[int, int]]:
+        return dict(self._slices)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dimension, computed in float32 like Hugging Face."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The rope settings of a config, whichever way transformers stored them.
+
+    transformers 5 keeps them in ``rope_parameters`` (with ``rope_theta`` inside); older configs have
+    ``rope_theta`` at the top level and an optional ``rope_scaling`` dict.
+    """
+    params: dict[str, Any] = {}
+    scaling = getattr(hf_config, "rope_scaling", None)
+    if isinstance(scaling, dict):
+        params.update(scaling)
+    new = getattr(hf_config, "rope_parameters", None)
+    if isinstance(new, dict):
+        params.update(new)
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(hf_config, "rope_theta", None) or 10000.0
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def rope_inv_freq(head_dim: int, params: dict[str, Any], max_position: int) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` (float32) for rope types default and llama3."""
+    base = float(params["rope_theta"])
+    dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
+    if dim != head_dim:
+        raise ValueError("partial rotary embeddings are not supported")
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "llama3":
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_len = float(params.get("original_max_position_embeddings") or max_position)
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    raise ValueError(
+        f"rope type {rope_type!r} is not supported (supported: default, linear, llama3)"
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables; ``lookup`` indexes them once per step for all layers."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        params: dict[str, Any],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, params, max_position)  # [head_dim // 2]
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_position, head_dim // 2]
+        self.cos_cache: torch.Tensor
+        self.sin_cache: torch.Tensor
+        self.register_buffer("cos_cache", freqs.cos().to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin().to(dtype=dtype, device=device), persistent=False)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos_cache.index_select(0, positions).unsqueeze(1)  # [T, 1, head_dim // 2]
+        sin = self.sin_cache.index_select(0, positions).unsqueeze(1)  # [T, 1, head_dim // 2]
+        return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rope (Hugging Face / NeoX layout) on ``x [T, H, head_dim]``."""
+    x1, x2 = x.chunk(2, dim=-1)  # [T, H, head_dim // 2] each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [T, H, head_dim]

@@ -1,0 +1,202 @@
+"""Llama-family decoder (Llama, Mistral, SmolLM2; Qwen2/Qwen3 in ``qwen.py``) on flat batches.
+
+Module names mirror Hugging Face's so checkpoints load by name; q/k/v and gate/up are fused into
+``qkv_proj`` and ``gate_up_proj``, declared in ``packed_modules``. Forward takes the step's flat
+``input_ids [T]`` and ``positions [T]`` plus the attention metadata and returns ``[T, hidden]``;
+``compute_logits`` applies the LM head to the rows that sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraplex.engine.attention import AttentionBackend, AttentionMetadata
+from loraplex.engine.models.layers import (
+    Linear,
+    PackedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rope,
+    rope_parameters,
+)
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    """Per-architecture variations of the decoder layer."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before rope
+
+
+class Embedding(nn.Module):
+    def __init__(self, num: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num, dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)  # [T, dim]
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, cfg: Any, layer_idx: int, opts: DecoderOptions, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads: int = cfg.num_attention_heads
+        self.num_kv_heads: int = cfg.num_key_value_heads or cfg.num_attention_heads
+        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        shards = {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}
+        self.qkv_proj = PackedLinear(cfg.hidden_size, shards, opts.qkv_bias, dtype, device)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, opts.o_bias, dtype, device)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if opts.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, device)
+        # Bound once by the runner (``bind_attention``), not per step.
+        self.backend: AttentionBackend | None = None
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, head_dim // 2]
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        if self.backend is None or self.kv_cache is None:
+            raise RuntimeError("attention has no KV cache: call model.bind_attention() first")
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q + 2 * kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, Dh]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, H_kv, Dh]
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, H_kv, Dh]
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        out = self.backend.forward(self.layer_idx, q, k, v, self.kv_cache, metadata)  # [T, H, Dh]
+        return self.o_proj(out.reshape(t, self.q_size))  # [T, hidden]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Any, opts: DecoderOptions, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+        inter: int = cfg.intermediate_size
+        self.intermediate_size = inter
+        shards = {"gate_proj": inter, "up_proj": inter}
+        self.gate_up_proj = PackedLinear(cfg.hidden_size, shards, opts.mlp_bias, dtype, device)
+        self.down_proj = Linear(inter, cfg.hidden_size, opts.mlp_bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2 * inter]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, inter] each
+        return self.down_proj(F.silu(gate) * up)  # [T, hidden]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: Any, layer_idx: int, opts: DecoderOptions, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx, opts, dtype, device)
+        self.mlp = MLP(cfg, opts, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, metadata)  # [T, hidden]
+        return h + self.mlp(self.post_attention_layernorm(h))  # [T, hidden]
+
+
+class DecoderModel(nn.Module):
+    def __init__(
+        self,
+        cfg: Any,
+        opts: DecoderOptions,
+        max_position: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, opts, dtype, device) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.rotary_emb = RotaryEmbedding(head_dim, max_position, rope_parameters(cfg), dtype, device)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        cos, sin = self.rotary_emb.lookup(positions)  # once per step, shared by all layers
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            h = layer(h, cos, sin, metadata)
+        return self.norm(h)  # [T, hidden]
+
+
+class LlamaForCausalLM(nn.Module):
+    """LlamaForCausalLM / MistralForCausalLM (tied or untied embeddings, llama3 rope scaling)."""
+
+    # packed parameter -> the checkpoint projections stacked in it, in output order
+    packed_modules: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    @classmethod
+    def decoder_options(cls, cfg: Any) -> DecoderOptions:
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return DecoderOptions(
+            qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(cfg, "mlp_bias", False))
+        )
+
+    def __init__(
+        self, cfg: Any, max_position: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.model = DecoderModel(cfg, self.decoder_options(cfg), max_position, dtype, device)
+        self.lm_head: Linear | None = None
+        if not self.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+
+    def bind_attention(self, backend: AttentionBackend, kv_caches: list[torch.Tensor]) -> None:
+        """Give every attention layer the backend and its own layer of the KV cache."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"need {len(self.model.layers)} KV cache layers, got {len(kv_caches)}")
+        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+            assert isinstance(layer, DecoderLayer)
+            layer.self_attn.backend = backend
+            layer.self_attn.kv_cache = cache
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, metadata)  # [T, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [S, hidden]`` (the sampling rows only) -> logits ``[S, vocab_size]``."""
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight)
+        return self.lm_head(hidden)

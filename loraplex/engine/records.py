@@ -1,0 +1,79 @@
+"""The plain records that cross between the scheduler and the runner (and out of the engine).
+
+The scheduler builds a ``SchedulerOutput``; the runner turns it into tensors, runs the model and
+returns a ``RunnerOutput``; the scheduler consumes that in ``update``. Neither calls the other.
+Lists here are references to the scheduler's own lists (no copies): the runner only reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loraplex.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute KV for ``token_ids`` starting at ``start_pos``."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens computed this step (a prefill chunk, or the last sampled one)
+    start_pos: int  # position of token_ids[0] == num_computed_tokens before this step
+    block_table: list[int]  # all blocks of the request, covering start_pos + len(token_ids)
+    sample: bool  # True when this step reaches the end of the known tokens: sample one more
+    params: SamplingParams
+    prompt_token_ids: list[int]  # for the repetition penalty
+    output_token_ids: list[int]  # tokens generated so far (penalties)
+    lora_slot: int = -1  # device slot of the request's adapter, -1 = base model
+
+
+@dataclass
+class ForkedSample:
+    """A sample of an n > 1 request that takes its first token from its parent's last row."""
+
+    request_id: str
+    parent_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[ScheduledRequest]
+    forks: list[ForkedSample] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before forward
+    finished_request_ids: list[str] = field(default_factory=list)  # since the last step: drop state
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one generated token: the sampled token's, and the top-N alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]]  # (token_id, logprob), most likely first
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int]  # request_id -> next token, for every sampling request and fork
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # only where params.logprobs
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request: new tokens, and whether it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id that ended it, if any
+    num_cached_tokens: int = 0

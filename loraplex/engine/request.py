@@ -1,0 +1,72 @@
+"""The engine's view of one request (one sample of it when n > 1). Pure Python, no torch."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from loraplex.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass
+class Request:
+    """State the scheduler keeps for one sequence.
+
+    Invariant: ``num_computed_tokens <= num_tokens``; tokens ``[0, num_computed_tokens)`` have KV
+    in this request's blocks. A decode step schedules exactly one token (the last sampled one).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()  # any of these ends the request (unless ignore_eos)
+    # Identity of everything besides the tokens that changes the KV: the adapter's content hash
+    # and the tenant's cache salt. Part of every prefix-cache block hash.
+    cache_extra_keys: tuple[str, ...] = ()
+    lora_slot_key: str | None = None  # adapter content hash, None = base model
+    parent_id: str | None = None  # set on the samples of an n > 1 request
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    block_hashes: list[bytes] = field(default_factory=list)  # one per full block of all_token_ids
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

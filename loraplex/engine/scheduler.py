@@ -1,0 +1,265 @@
+"""Continuous-batching scheduler: schedules tokens, not phases. Pure Python, no torch.
+
+Every request catches its ``num_computed_tokens`` up to ``num_tokens``. One step takes running
+requests first (decodes and unfinished prefill chunks, oldest first), then admits waiting ones
+(FCFS), within ``max_num_batched_tokens`` tokens and ``max_num_seqs`` requests. A prompt longer
+than the remaining budget is split into chunks over several steps (chunked prefill). When the KV
+pool runs dry, the newest running request is preempted: its blocks are freed and it goes back to
+the front of the waiting queue, to be recomputed later (its generated tokens are kept).
+
+The n samples of one request share the prompt's KV: the first sample (the leader) prefills the
+prompt; in the step that finishes the prompt, the others are forked from it (block tables shared
+by reference) and sample their first token from the leader's last row.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from loraplex.config import SchedulerConfig
+from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.records import (
+    EngineCoreOutput,
+    ForkedSample,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from loraplex.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens_computed: int = 0  # prefill tokens actually run through the model
+    num_generated_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._pending_forks: dict[str, list[Request]] = {}  # leader id -> samples waiting on it
+        self._finished_ids: list[str] = []
+        self.stats = SchedulerStats()
+
+    # ---- requests in and out ---------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if self.kv.blocks_needed(min(req.num_tokens + 1, self.max_model_len)) > (
+            self.kv.num_usable_blocks
+        ):
+            raise ValueError(
+                f"the prompt ({req.num_tokens} tokens) does not fit in the KV cache "
+                f"({self.kv.num_usable_blocks} blocks of {self.kv.block_size}); "
+                "give the engine more KV memory or send a shorter prompt"
+            )
+        self.requests[req.request_id] = req
+        leader = self.requests.get(req.parent_id) if req.parent_id else None
+        if leader is not None and leader.num_output_tokens == 0 and not leader.status.finished:
+            self._pending_forks.setdefault(leader.request_id, []).append(req)
+        else:
+            self.waiting.append(req)
+
+    def abort_requests(self, request_ids: list[str]) -> list[Request]:
+        """Remove requests wherever they are; their blocks return at once."""
+        aborted: list[Request] = []
+        for request_id in request_ids:
+            req = self.requests.get(request_id)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            else:
+                for samples in self._pending_forks.values():
+                    if req in samples:
+                        samples.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            aborted.append(req)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + sum(len(s) for s in self._pending_forks.values())
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        forks: list[ForkedSample] = []
+        preempted = False
+
+        # 1. Running requests, oldest first. Preempt from the newest end when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                scheduled.append(self._scheduled(req, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break
+
+        # 2. Waiting requests, FCFS, unless this step had to preempt (no room to admit anyone).
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            hits = self.kv.get_computed_blocks(req)
+            num_hit = len(hits) * self.kv.block_size
+            num_new = min(req.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(req, num_new, hits):
+                break
+            self.waiting.popleft()
+            self.kv.record_prefix_query(req.num_tokens, num_hit)
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = num_hit
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+
+        # 3. Fork the samples of n > 1 requests whose leader finishes its prompt this step.
+        for s in scheduled:
+            if s.sample and s.request_id in self._pending_forks:
+                forks.extend(self._fork(self.requests[s.request_id]))
+
+        self.stats.num_steps += 1
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            requests=scheduled,
+            forks=forks,
+            blocks_to_copy=self.kv.take_copies(),
+            finished_request_ids=finished,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+        )
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        return ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=req.all_token_ids[start : start + num_new],
+            start_pos=start,
+            block_table=self.kv.block_table(req.request_id),
+            sample=start + num_new == req.num_tokens,
+            params=req.params,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
+        )
+
+    def _fork(self, leader: Request) -> list[ForkedSample]:
+        samples = self._pending_forks.pop(leader.request_id)
+        forks: list[ForkedSample] = []
+        for req in samples:
+            if len(self.running) >= self.config.max_num_seqs:
+                # No room to run it now: it prefills on its own later (prefix cache helps).
+                self.waiting.append(req)
+                continue
+            self.kv.fork(leader.request_id, req.request_id)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            forks.append(
+                ForkedSample(
+                    request_id=req.request_id,
+                    parent_id=leader.request_id,
+                    params=req.params,
+                    prompt_token_ids=req.prompt_token_ids,
+                    output_token_ids=req.output_token_ids,
+                )
+            )
+        return forks
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- results ---------------------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        done: set[str] = set()
+        for s in out.requests:
+            req = self.requests[s.request_id]
+            end = min(s.start_pos + len(s.token_ids), req.num_prompt_tokens)
+            self.stats.num_prompt_tokens_computed += max(end - s.start_pos, 0)
+            req.num_computed_tokens += len(s.token_ids)
+            if s.sample:
+                outputs.append(self._append(req, result, done))
+        for f in out.forks:
+            req = self.requests[f.request_id]
+            req.num_computed_tokens = req.num_prompt_tokens
+            outputs.append(self._append(req, result, done))
+        if done:
+            self.running = [r for r in self.running if r.request_id not in done]
+        return outputs
+
+    def _append(self, req: Request, result: RunnerOutput, done: set[str]) -> EngineCoreOutput:
+        token = result.sampled[req.request_id]
+        req.append_output_token(token)
+        self.stats.num_generated_tokens += 1
+        out = EngineCoreOutput(
+            request_id=req.request_id,
+            new_token_ids=[token],
+            num_cached_tokens=req.num_cached_tokens,
+        )
+        logprobs = result.logprobs.get(req.request_id)
+        if logprobs is not None:
+            out.new_logprobs = [logprobs]
+        params = req.params
+        status: RequestStatus | None = None
+        if not params.ignore_eos and token in req.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif token in params.stop_ids:
+            status = RequestStatus.FINISHED_STOPPED
+            out.stop_reason = token
+        elif (params.max_tokens is not None and req.num_output_tokens >= params.max_tokens) or (
+            req.num_tokens >= self.max_model_len
+        ):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self._finish(req, status)
+            out.finish_reason = status.value
+            done.add(req.request_id)
+        return out
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req.request_id)
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+        # Samples still waiting on a leader that ends before finishing its prompt run alone.
+        for sample in self._pending_forks.pop(req.request_id, []):
+            self.waiting.append(sample)

@@ -1,0 +1,72 @@
+"""A torch-free stand-in for the model runner that simulates the paged KV cache exactly.
+
+It stores, per cache slot, the (token, position) written there, and its "model" reads the whole
+context back through the block table. The next token is a hash of that context, so any bug in
+block tables, sharing or copy-on-write changes the output, while a correct engine gives every
+request the same tokens it would get alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from loraplex.engine.records import RunnerOutput, SchedulerOutput
+
+VOCAB = 1000
+
+
+def next_token(context: list[int], seed: int = 0) -> int:
+    digest = hashlib.sha256(repr((seed, context)).encode()).digest()
+    return int.from_bytes(digest[:4], "little") % VOCAB
+
+
+def reference_generate(prompt: list[int], max_tokens: int, seed: int = 0) -> list[int]:
+    tokens = list(prompt)
+    out: list[int] = []
+    for _ in range(max_tokens):
+        t = next_token(tokens, seed)
+        out.append(t)
+        tokens.append(t)
+    return out
+
+
+class FakeRunner:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.slots: dict[int, tuple[int, int]] = {}  # slot -> (token, position)
+        self.num_blocks = num_blocks
+        self.steps = 0
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        bs = self.block_size
+        for src, dst in out.blocks_to_copy:
+            for off in range(bs):
+                if src * bs + off in self.slots:
+                    self.slots[dst * bs + off] = self.slots[src * bs + off]
+                else:
+                    self.slots.pop(dst * bs + off, None)
+        last_context: dict[str, list[int]] = {}
+        for s in out.requests:
+            assert 0 not in s.block_table, "null block handed to a request"
+            end = s.start_pos + len(s.token_ids)
+            assert len(s.block_table) * bs >= end, "block table too short"
+            for i, tok in enumerate(s.token_ids):
+                pos = s.start_pos + i
+                self.slots[s.block_table[pos // bs] * bs + pos % bs] = (tok, pos)
+        for s in out.requests:
+            end = s.start_pos + len(s.token_ids)
+            context = []
+            for pos in range(end):
+                tok, stored_pos = self.slots[s.block_table[pos // bs] * bs + pos % bs]
+                assert stored_pos == pos, f"{s.request_id}: slot of position {pos} holds {stored_pos}"
+                context.append(tok)
+            last_context[s.request_id] = context
+        sampled: dict[str, int] = {}
+        for s in out.requests:
+            if s.sample:
+                seed = s.params.seed or 0
+                sampled[s.request_id] = next_token(last_context[s.request_id], seed)
+        for f in out.forks:
+            sampled[f.request_id] = next_token(last_context[f.parent_id], f.params.seed or 0)
+        self.steps += 1
+        return RunnerOutput(sampled=sampled)

@@ -1,0 +1,167 @@
+"""KV cache manager alone: allocation, free order, prefix hits and misses, eviction, COW."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.engine.kv_cache import NULL_BLOCK, KVCacheManager, hash_block
+from loraplex.engine.request import Request
+from loraplex.sampling_params import SamplingParams
+
+
+def req(rid: str, tokens: list[int], extra: tuple[str, ...] = ()) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=8), cache_extra_keys=extra)
+
+
+def admit(kv: KVCacheManager, r: Request) -> int:
+    hits = kv.get_computed_blocks(r)
+    n_hit = len(hits) * kv.block_size
+    assert kv.allocate_slots(r, r.num_tokens - n_hit, hits)
+    r.num_computed_tokens = r.num_tokens
+    return n_hit
+
+
+def test_allocation_counts_and_null_block() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    assert kv.num_free_blocks == 7
+    r = req("a", list(range(10)))  # 10 tokens -> 3 blocks
+    assert kv.allocate_slots(r, 10)
+    table = kv.block_table("a")
+    assert len(table) == 3 and NULL_BLOCK not in table
+    assert kv.num_free_blocks == 4
+    r.num_computed_tokens = 10
+    r.append_output_token(99)
+    assert kv.allocate_slots(r, 1)  # position 10 lies in block 2: no new block
+    assert len(kv.block_table("a")) == 3
+    kv.check_integrity()
+
+
+def test_allocation_fails_without_side_effects() -> None:
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    r = req("a", list(range(9)))  # needs 3 blocks, only 2 usable
+    assert not kv.allocate_slots(r, 9)
+    assert kv.num_free_blocks == 2
+    kv.check_integrity()
+
+
+def test_free_returns_blocks_tail_first() -> None:
+    kv = KVCacheManager(num_blocks=5, block_size=2, enable_prefix_caching=False)
+    r = req("a", [1, 2, 3, 4, 5, 6, 7, 8])
+    assert kv.allocate_slots(r, 8)
+    table = list(kv.block_table("a"))
+    kv.free("a")
+    assert kv.num_free_blocks == 4
+    # Unhashed blocks go to the front, in table order, so the head of the table is reused first.
+    r2 = req("b", [1, 2])
+    assert kv.allocate_slots(r2, 2)
+    assert kv.block_table("b") == [table[0]]
+    kv.check_integrity()
+
+
+def test_prefix_hit_and_miss() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    a = req("a", list(range(12)))
+    assert admit(kv, a) == 0
+    b = req("b", [*range(8), 100, 101, 102, 103, 104])
+    assert admit(kv, b) == 8  # first two blocks shared
+    assert kv.block_table("b")[:2] == kv.block_table("a")[:2]
+    assert kv.block_table("b")[2] != kv.block_table("a")[2]
+    c = req("c", [5, *range(1, 12)])
+    assert admit(kv, c) == 0  # differs in the first token: no hit
+    kv.check_integrity()
+
+
+def test_full_hit_leaves_last_token_to_compute() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    admit(kv, req("a", list(range(8))))
+    b = req("b", list(range(8)))
+    hits = kv.get_computed_blocks(b)
+    assert len(hits) == 1  # 8 tokens = 2 blocks but the last token must be recomputed
+
+
+def test_extra_keys_isolate_cache() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    admit(kv, req("base", list(range(12))))
+    assert admit(kv, req("lora", list(range(12)), extra=("adapter-sha-1",))) == 0
+    assert admit(kv, req("lora-v2", list(range(12)), extra=("adapter-sha-2",))) == 0
+    assert admit(kv, req("lora-again", list(range(12)), extra=("adapter-sha-1",))) == 8
+    assert admit(kv, req("tenant", list(range(12)), extra=("adapter-sha-1", "salt-b"))) == 0
+    assert hash_block(b"", [1, 2], ("x",)) != hash_block(b"", [1, 2], ())
+
+
+def test_cached_blocks_survive_free_and_evict_lru() -> None:
+    kv = KVCacheManager(num_blocks=5, block_size=2)  # 4 usable
+    a = req("a", [1, 2, 3, 4, 5])  # blocks: [1,2] [3,4] [5]
+    admit(kv, a)
+    kv.free("a")
+    assert kv.num_cached_blocks == 2 and kv.num_free_blocks == 4
+    b = req("b", [1, 2, 3, 4, 9])
+    assert admit(kv, b) == 4  # both full blocks revived from the free queue
+    kv.free("b")
+    # A request that needs every block evicts the cached ones (oldest first).
+    c = req("c", [7, 7, 7, 7, 7, 7, 7, 7])
+    assert kv.allocate_slots(c, 8)
+    assert kv.num_cached_blocks == 0 or kv.stats.evictions > 0
+    kv.check_integrity()
+    kv.free("c")
+    d = req("d", [1, 2, 3, 4, 9])
+    assert admit(kv, d) == 0  # evicted
+    kv.check_integrity()
+
+
+def test_lru_order_evicts_least_recently_freed() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=2)  # 3 usable
+    a = req("a", [1, 2, 0])
+    admit(kv, a)
+    kv.free("a")  # cached block [1,2]; the partial one is unhashed
+    b = req("b", [3, 4, 0])
+    admit(kv, b)
+    kv.free("b")  # cached block [3,4], freed later
+    c = req("c", [5, 6])  # needs one block: evicts [1,2], the least recently freed
+    assert kv.allocate_slots(c, 2)
+    c.num_computed_tokens = 2
+    kv.free("c")
+    assert admit(kv, req("x", [3, 4, 8])) == 2
+    kv.free("x")
+    assert admit(kv, req("y", [1, 2, 8])) == 0
+
+
+def test_fork_and_copy_on_write() -> None:
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    p = req("p", list(range(6)))  # 1 full + 1 partial block
+    admit(kv, p)
+    kv.fork("p", "c")
+    assert kv.block_table("c") == kv.block_table("p")
+    child = req("c", list(range(6)))
+    child.num_computed_tokens = 6
+    p.append_output_token(50)
+    child.append_output_token(60)
+    shared_tail = kv.block_table("p")[-1]
+    assert kv.allocate_slots(p, 1)
+    assert kv.take_copies() == [(shared_tail, kv.block_table("p")[-1])]
+    assert kv.block_table("p")[-1] != shared_tail
+    assert kv.allocate_slots(child, 1)  # now the only user: writes in place
+    assert kv.take_copies() == []
+    assert kv.block_table("c")[-1] == shared_tail
+    assert kv.block_table("c")[0] == kv.block_table("p")[0]
+    kv.check_integrity()
+    kv.free("p")
+    kv.free("c")
+    kv.check_integrity()
+    assert kv.num_free_blocks == 9
+
+
+def test_reset_prefix_cache_drops_only_free_blocks() -> None:
+    kv = KVCacheManager(num_blocks=10, block_size=2)
+    admit(kv, req("a", [1, 2, 3]))
+    admit(kv, req("b", [4, 5, 6]))
+    kv.free("a")
+    kv.reset_prefix_cache()
+    assert admit(kv, req("a2", [1, 2, 3])) == 0
+    assert admit(kv, req("b2", [4, 5, 6])) == 2
+    kv.check_integrity()
+
+
+def test_too_few_blocks_is_an_error() -> None:
+    with pytest.raises(ValueError, match="num_blocks"):
+        KVCacheManager(num_blocks=1, block_size=16)
