@@ -29,7 +29,7 @@ class BatchLayout:
 
     query_lens: np.ndarray  # [B] int64, tokens computed this step per request
     start_positions: np.ndarray  # [B] int64, position of each request's first query token
-    block_tables: list[list[int]]  # [B][*] each request's blocks, covering start + query_len
+    block_tables: np.ndarray  # [B, W] int64 each request's blocks, padded with 0 (null block)
     slot_mapping: torch.Tensor  # [T] int64 on device, KV slot of every query token
     block_size: int
 
@@ -84,7 +84,7 @@ class PrefillSeq:
     token_end: int  # one past the last row
     start_pos: int  # position of the first query token (keys before it come from the cache)
     blocks: torch.Tensor  # [ceil(seq_len / block_size)] int64, the blocks holding its keys
-    mask: torch.Tensor | None  # [q_len, seq_len] bool (True = attend); None when start_pos == 0
+    mask: torch.Tensor | None  # [q_len, seq_len] additive (0 or -inf); None when start_pos == 0
 
 
 @dataclass
@@ -93,7 +93,7 @@ class TorchAttentionMetadata(AttentionMetadata):
     decode_rows: torch.Tensor | slice  # [D] rows of the flat batch (a slice when contiguous)
     num_decodes: int
     decode_block_tables: torch.Tensor  # [D, max_blocks] int64, padded with the null block
-    decode_mask: torch.Tensor  # [D, 1, 1, max_blocks * block_size] bool, True = attend
+    decode_mask: torch.Tensor  # [D, 1, 1, max_blocks * block_size] additive: 0 or -inf
     prefills: list[PrefillSeq]
 
 
@@ -101,12 +101,17 @@ class TorchPagedAttention:
     """Paged attention in plain torch (CPU, or any device as a reference).
 
     Layer cache layout ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V) so that
-    ``cache[0].view(-1, H, D)`` addresses slots directly and ``cache[0][block_table]`` gathers whole
+    ``cache[0].view(-1, H, D)`` addresses slots directly and ``index_select`` on blocks gathers whole
     blocks (contiguous runs of ``block_size * H * D`` values, not single slots).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device = device
+        self.dtype = dtype  # of q/k/v; masks are built additive in this dtype (no per-layer cast)
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~allowed.to(self.device), float("-inf"))
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
@@ -143,31 +148,26 @@ class TorchPagedAttention:
         if num_decodes:
             d_seq = seq_lens[decode_idx]  # [D]
             max_blocks = int((d_seq.max() + bs - 1) // bs)
-            table = np.zeros((num_decodes, max_blocks), dtype=np.int64)  # 0 = null block
-            for row, i in enumerate(decode_idx.tolist()):
-                n = (int(seq_lens[i]) + bs - 1) // bs
-                table[row, :n] = layout.block_tables[i][:n]
+            table = layout.block_tables[decode_idx, :max_blocks]  # [D, max_blocks]
             ctx = np.arange(max_blocks * bs, dtype=np.int64)
-            mask = ctx[None, :] < d_seq[:, None]  # [D, ctx] causal: keys at positions <= query's
+            allowed = ctx[None, :] < d_seq[:, None]  # [D, ctx] causal: keys at positions <= query's
             decode_tables = torch.from_numpy(table).to(self.device)
-            decode_mask = torch.from_numpy(mask).to(self.device)[:, None, None, :]
+            decode_mask = self._additive(torch.from_numpy(allowed))[:, None, None, :]
         else:
             decode_tables = torch.zeros((0, 1), dtype=torch.long, device=self.device)
-            decode_mask = torch.zeros((0, 1, 1, bs), dtype=torch.bool, device=self.device)
+            decode_mask = torch.zeros((0, 1, 1, bs), dtype=self.dtype, device=self.device)
 
         prefills: list[PrefillSeq] = []
         for i in np.flatnonzero(~is_decode).tolist():
             start, qlen, slen = int(starts[i]), int(qlens[i]), int(seq_lens[i])
             n = (slen + bs - 1) // bs
-            blocks = torch.tensor(layout.block_tables[i][:n], dtype=torch.long, device=self.device)
+            blocks = torch.from_numpy(layout.block_tables[i, :n]).to(self.device)  # [n]
             mask = None
             if start > 0:
-                q_pos = torch.arange(start, slen, device=self.device)  # [q_len]
-                k_pos = torch.arange(slen, device=self.device)  # [seq_len]
-                mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
-            prefills.append(
-                PrefillSeq(int(qstart[i]), int(qstart[i]) + qlen, start, blocks, mask)
-            )
+                q_pos = torch.arange(start, slen)  # [q_len]
+                k_pos = torch.arange(slen)  # [seq_len]
+                mask = self._additive(k_pos[None, :] <= q_pos[:, None])  # [q_len, seq_len]
+            prefills.append(PrefillSeq(int(qstart[i]), int(qstart[i]) + qlen, start, blocks, mask))
 
         return TorchAttentionMetadata(
             slot_mapping=layout.slot_mapping,
@@ -189,8 +189,8 @@ class TorchPagedAttention:
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchAttentionMetadata)
-        num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = k.shape[1]
+        num_tokens = q.shape[0]
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, H_kv, D] each
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
@@ -203,9 +203,7 @@ class TorchPagedAttention:
                 q[metadata.decode_rows], k_cache, v_cache, metadata
             )
         for seq in metadata.prefills:
-            out[seq.token_start : seq.token_end] = self._prefill(
-                seq, q, k, v, k_cache, v_cache
-            )
+            out[seq.token_start : seq.token_end] = self._prefill(seq, q, k, v, k_cache, v_cache)
         return out
 
     @staticmethod
@@ -218,11 +216,14 @@ class TorchPagedAttention:
         n, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
-        tables = md.decode_block_tables  # [D, nb]
+        blocks = md.decode_block_tables.view(-1)  # [D * nb]
+        ctx = md.decode_mask.shape[-1]  # nb * block_size
         # Query heads of one KV head become that head's "query length": plain batched attention.
         qg = q.view(n, num_kv_heads, group, head_dim)  # [D, H_kv, G, Dh]
-        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [D, H_kv, ctx, Dh]
-        vals = v_cache[tables].flatten(1, 2).transpose(1, 2)  # [D, H_kv, ctx, Dh]
+        # index_select of whole blocks: contiguous runs, about 2x faster than k_cache[tables]
+        keys = k_cache.index_select(0, blocks).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
+        vals = v_cache.index_select(0, blocks).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
+        # keys, vals: [D, H_kv, ctx, Dh]
         out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=md.decode_mask)
         return out.reshape(n, num_heads, head_dim)  # [D, H, Dh]
 
@@ -242,7 +243,8 @@ class TorchPagedAttention:
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         else:
             seq_len = seq.mask.shape[1]
-            ks = k_cache[seq.blocks].flatten(0, 1)[:seq_len].transpose(0, 1)  # [H_kv, S, Dh]
-            vs = v_cache[seq.blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
+            ks = k_cache.index_select(0, seq.blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
+            vs = v_cache.index_select(0, seq.blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
+            # ks, vs: [H_kv, S, Dh]
             out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, enable_gqa=True)
         return out.transpose(0, 1)  # [q_len, H, Dh]

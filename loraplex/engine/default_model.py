@@ -74,9 +74,7 @@ def resolve_model_dir(model: str | None) -> str:
             )
         return str(path)
     if path.exists():
-        raise ModelResolutionError(
-            f"model {model!r} is a file, not a Hugging Face model directory"
-        )
+        raise ModelResolutionError(f"model {model!r} is a file, not a Hugging Face model directory")
     if _HUB_ID.match(model) and not model.startswith((".", "~")):
         return _resolve_hub_id(model)
     raise ModelResolutionError(
@@ -126,6 +124,9 @@ def ensure_embedded_model() -> Path:
         if target.exists():  # not ours, not complete (e.g. an old crash without rename): redo
             shutil.rmtree(target)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{EMBEDDED_NAME}-", dir=target.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the cache is a normal directory
         try:
             _convert(gguf_path, tmp)
             try:
@@ -198,6 +199,7 @@ def _convert(gguf_path: Path, out: Path) -> None:
     plain.generation_config = quantized.generation_config
     _check_tied(plain)
     plain.save_pretrained(out)
+    tokenizer.model_max_length = config.max_position_embeddings  # GGUF leaves it "infinite"
     tokenizer.save_pretrained(out)
     steps.update(1)
 
@@ -246,7 +248,10 @@ def _greedy(model: Any, tokenizer: Any) -> list[int]:
     ids = tokenizer(_CHECK_PROMPT, return_tensors="pt")
     with torch.inference_mode():
         out = model.generate(
-            **ids, max_new_tokens=_CHECK_TOKENS, do_sample=False, pad_token_id=tokenizer.eos_token_id
+            **ids,
+            max_new_tokens=_CHECK_TOKENS,
+            do_sample=False,
+            pad_token_id=tokenizer.eos_token_id,
         )
     return [int(t) for t in out[0, ids["input_ids"].shape[1] :]]
 

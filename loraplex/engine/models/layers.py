@@ -100,7 +100,9 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(dim, dtype=dtype, device=device), requires_grad=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -175,8 +177,12 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)  # [max_position, head_dim // 2]
         self.cos_cache: torch.Tensor
         self.sin_cache: torch.Tensor
-        self.register_buffer("cos_cache", freqs.cos().to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin().to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer(
+            "cos_cache", freqs.cos().to(dtype=dtype, device=device), persistent=False
+        )
+        self.register_buffer(
+            "sin_cache", freqs.sin().to(dtype=dtype, device=device), persistent=False
+        )
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos_cache.index_select(0, positions).unsqueeze(1)  # [T, 1, head_dim // 2]

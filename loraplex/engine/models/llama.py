@@ -39,7 +39,9 @@ class DecoderOptions:
 class Embedding(nn.Module):
     def __init__(self, num: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num, dim, dtype=dtype, device=device), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(num, dim, dtype=dtype, device=device), requires_grad=False
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)  # [T, dim]
@@ -47,7 +49,12 @@ class Embedding(nn.Module):
 
 class Attention(nn.Module):
     def __init__(
-        self, cfg: Any, layer_idx: int, opts: DecoderOptions, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: Any,
+        layer_idx: int,
+        opts: DecoderOptions,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -79,21 +86,23 @@ class Attention(nn.Module):
             raise RuntimeError("attention has no KV cache: call model.bind_attention() first")
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q + 2 * kv]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, Dh]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, H_kv, Dh]
+        heads = self.num_heads + self.num_kv_heads
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(t, heads, self.head_dim)  # [T, H + H_kv, Dh]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, H_kv, Dh]
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)  # [T, H + H_kv, Dh]
+        qk = apply_rope(qk, cos, sin)  # one rope call for q and k
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, Dh], [T, H_kv, Dh]
         out = self.backend.forward(self.layer_idx, q, k, v, self.kv_cache, metadata)  # [T, H, Dh]
         return self.o_proj(out.reshape(t, self.q_size))  # [T, hidden]
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Any, opts: DecoderOptions, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, cfg: Any, opts: DecoderOptions, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
@@ -111,7 +120,12 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: Any, layer_idx: int, opts: DecoderOptions, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: Any,
+        layer_idx: int,
+        opts: DecoderOptions,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx, opts, dtype, device)
@@ -142,7 +156,9 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.rotary_emb = RotaryEmbedding(head_dim, max_position, rope_parameters(cfg), dtype, device)
+        self.rotary_emb = RotaryEmbedding(
+            head_dim, max_position, rope_parameters(cfg), dtype, device
+        )
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata

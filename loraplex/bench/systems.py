@@ -1,0 +1,213 @@
+"""The two systems under test, each timed on the same token-id prompts.
+
+* loraplex: the offline ``LLM`` API, one ``generate`` call for the whole workload (continuous
+  batching decides the batches).
+* Hugging Face: the "traditional path": ``AutoModelForCausalLM.generate`` over static batches with
+  left padding, where every batch runs until its longest request is done. Only each request's own
+  tokens count as output.
+
+Model loading and warm-up are never inside the timed region.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from loraplex.config import DType
+
+System = Literal["loraplex", "hf"]
+# Engine counters that only grow; a run reports how much each grew during it.
+ENGINE_COUNTERS = (
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "num_preemptions",
+    "num_steps",
+    "num_prompt_tokens_computed",
+    "num_generated_tokens",
+)
+
+
+@dataclass
+class RunResult:
+    system: System
+    repeat: int
+    seconds: float
+    output_tokens: int
+    num_requests: int
+    outputs: list[list[int]] = field(repr=False)
+    engine: dict[str, float] = field(default_factory=dict)  # counter deltas (loraplex only)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "system": self.system,
+            "repeat": self.repeat,
+            "seconds": round(self.seconds, 4),
+            "num_requests": self.num_requests,
+            "output_tokens": self.output_tokens,
+            "output_tokens_per_s": round(self.tokens_per_s, 3),
+            "engine": self.engine,
+        }
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The ``LLM`` knobs the benchmark exposes."""
+
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    dtype: DType = "auto"
+
+    def kwargs(self, **overrides: Any) -> dict[str, Any]:
+        args = {
+            "block_size": self.block_size,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "num_blocks": self.num_blocks,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "dtype": self.dtype,
+        }
+        args.update(overrides)
+        return args
+
+
+def build_llm(model_dir: str, args: EngineArgs, **overrides: Any) -> Any:
+    from loraplex import LLM
+
+    return LLM(model=model_dir, **args.kwargs(**overrides))
+
+
+def greedy_params(output_lens: Sequence[int]) -> list[Any]:
+    from loraplex import SamplingParams
+
+    return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
+
+
+def counters(llm: Any) -> dict[str, float]:
+    stats = llm.engine_stats()
+    return {k: stats[k] for k in ENGINE_COUNTERS if isinstance(stats.get(k), int | float)}
+
+
+def warm_up_loraplex(llm: Any, prompts: Sequence[list[int]]) -> None:
+    """A few short requests (never the timed prompts: they would be cached) so that first-call
+    allocations and lazy inits stay out of the timing."""
+    sample = [list(p) for p in prompts[:4]]
+    llm.generate(sample, greedy_params([4] * len(sample)), use_tqdm=False)
+
+
+def reset_prefix_cache(llm: Any) -> bool:
+    """Forget cached prefixes so a repeat cannot reuse the previous repeat's KV.
+
+    Returns False when this ``LLM`` has no ``reset_prefix_cache()``; the caller then needs a fresh
+    instance for the next repeat.
+    """
+    reset = getattr(llm, "reset_prefix_cache", None)
+    if not callable(reset):
+        return False
+    reset()
+    return True
+
+
+def run_loraplex(
+    llm: Any, prompts: Sequence[list[int]], output_lens: Sequence[int], repeat: int
+) -> RunResult:
+    params = greedy_params(output_lens)
+    before = counters(llm)
+    start = time.perf_counter()
+    outs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    after = counters(llm)
+    outputs = [list(o.outputs[0].token_ids) for o in outs]
+    return RunResult(
+        system="loraplex",
+        repeat=repeat,
+        seconds=seconds,
+        output_tokens=sum(len(o) for o in outputs),
+        num_requests=len(outputs),
+        outputs=outputs,
+        engine={k: after[k] - before.get(k, 0) for k in after},
+    )
+
+
+class HFBaseline:
+    """``AutoModelForCausalLM`` + ``generate()`` over static, left-padded batches."""
+
+    def __init__(self, model_dir: str, dtype: DType, batch_size: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch_dtype = torch.float32 if dtype in ("auto", "float32") else getattr(torch, dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+        config = self.model.generation_config
+        pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+        self.pad_id = int(pad[0] if isinstance(pad, list) else (pad or 0))
+        self.batch_size = batch_size
+
+    def warm_up(self, prompts: Sequence[list[int]]) -> None:
+        self._generate_batch([list(p) for p in prompts[:2]], 4)
+
+    def run(
+        self, prompts: Sequence[list[int]], output_lens: Sequence[int], repeat: int
+    ) -> RunResult:
+        outputs: list[list[int]] = []
+        start = time.perf_counter()
+        for i in range(0, len(prompts), self.batch_size):
+            lens = list(output_lens[i : i + self.batch_size])
+            rows = self._generate_batch(list(prompts[i : i + self.batch_size]), max(lens))
+            outputs.extend(row[:n] for row, n in zip(rows, lens, strict=True))
+        seconds = time.perf_counter() - start
+        return RunResult(
+            system="hf",
+            repeat=repeat,
+            seconds=seconds,
+            output_tokens=sum(len(o) for o in outputs),
+            num_requests=len(outputs),
+            outputs=outputs,
+        )
+
+    def _generate_batch(self, prompts: list[list[int]], num_new: int) -> list[list[int]]:
+        import torch
+
+        width = max(len(p) for p in prompts)
+        # Left padding: every row's last prompt token sits in the last column.
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])  # [B, width]
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=num_new,
+                min_new_tokens=num_new,  # the batch runs to its longest request (EOS ignored)
+                do_sample=False,
+                pad_token_id=self.pad_id,
+            )  # [B, width + num_new]
+        return [[int(t) for t in row] for row in out[:, width:]]
+
+
+def greedy_agreement(a: Sequence[list[int]], b: Sequence[list[int]]) -> dict[str, float]:
+    """How alike two systems' greedy outputs are: identical requests and matching prefix share."""
+    pairs = list(zip(a, b, strict=False))  # a subset run compares its prefix
+    if not pairs:
+        return {"requests_compared": 0, "identical_fraction": 0.0, "prefix_match_fraction": 0.0}
+    identical = sum(1 for x, y in pairs if x == y)
+    matched = total = 0
+    for x, y in pairs:
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        matched += n
+        total += max(len(x), len(y))
+    return {
+        "requests_compared": len(pairs),
+        "identical_fraction": identical / len(pairs),
+        "prefix_match_fraction": matched / total if total else 0.0,
+    }

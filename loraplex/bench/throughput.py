@@ -1,0 +1,367 @@
+"""``loraplex bench throughput``: one workload through loraplex and through HF ``generate()``.
+
+Both systems run in the same process on the same machine, alternating, ``repeats`` times; the
+result is the ratio of the median output tokens/s (absolute numbers on a shared CPU mean little).
+The fp32 matmul peak is measured in the same run so that MFU is a ratio too.
+"""
+
+from __future__ import annotations
+
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loraplex.bench.flops import ModelShape, workload_flops
+from loraplex.bench.systems import EngineArgs, RunResult
+from loraplex.bench.workload import Workload, encode, make_workload
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ThroughputOptions:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    num_requests: int = 64
+    min_output: int = 16
+    max_output: int = 128
+    min_prompt_words: int = 20
+    max_prompt_words: int = 60
+    chat: bool = False
+    seed: int = 0
+    repeats: int = 3
+    hf_batch_size: int = 8
+    hf_max_requests: int | None = None  # None: all requests
+    skip_hf: bool = False
+    engine: EngineArgs = field(default_factory=EngineArgs)
+    profile: bool = False
+    profile_requests: int = 16
+    prefix_cache_test: bool = False
+    prefix_len: int = 512
+    prefix_repeats: int = 5
+    num_adapters: int = 0
+    adapter_dist: str = "uniform"
+    output_dir: str = "bench-results"
+
+    def __post_init__(self) -> None:
+        if self.num_adapters > 0:
+            raise ValueError(
+                "--num-adapters > 0 is not supported yet: the multi-LoRA benchmark comes with "
+                "the LoRA engine work; run with --num-adapters 0"
+            )
+        checks = [
+            (self.num_requests >= 1, "--num-requests must be at least 1"),
+            (1 <= self.min_output <= self.max_output, "need 1 <= --min-output <= --max-output"),
+            (
+                1 <= self.min_prompt_words <= self.max_prompt_words,
+                "need 1 <= --min-prompt-words <= --max-prompt-words",
+            ),
+            (self.repeats >= 1, "--repeats must be at least 1"),
+            (self.hf_batch_size >= 1, "--hf-batch-size must be at least 1"),
+            (
+                self.hf_max_requests is None or self.hf_max_requests >= 1,
+                "--hf-max-requests must be at least 1",
+            ),
+            (self.profile_requests >= 1, "--profile-requests must be at least 1"),
+            (self.prefix_len >= 1, "--prefix-len must be at least 1"),
+            (self.prefix_repeats >= 1, "--prefix-repeats must be at least 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    def command_line(self) -> str:
+        """The command that reproduces this run, every knob explicit."""
+        e = self.engine
+        argv = ["loraplex", "bench", "throughput"] + ([self.model] if self.model else [])
+        argv += [
+            f"--num-requests={self.num_requests}",
+            f"--min-output={self.min_output}",
+            f"--max-output={self.max_output}",
+            f"--min-prompt-words={self.min_prompt_words}",
+            f"--max-prompt-words={self.max_prompt_words}",
+            f"--seed={self.seed}",
+            f"--repeats={self.repeats}",
+            f"--hf-batch-size={self.hf_batch_size}",
+            f"--block-size={e.block_size}",
+            f"--max-num-seqs={e.max_num_seqs}",
+            f"--max-num-batched-tokens={e.max_num_batched_tokens}",
+            f"--dtype={e.dtype}",
+        ]
+        argv += [f"--hf-max-requests={self.hf_max_requests}"] if self.hf_max_requests else []
+        argv += [f"--num-blocks={e.num_blocks}"] if e.num_blocks else []
+        argv += [] if e.enable_prefix_caching else ["--no-prefix-caching"]
+        argv += ["--chat"] if self.chat else []
+        argv += ["--skip-hf"] if self.skip_hf else []
+        argv += ["--profile", f"--profile-requests={self.profile_requests}"] if self.profile else []
+        if self.prefix_cache_test:
+            argv += [
+                "--prefix-cache-test",
+                f"--prefix-len={self.prefix_len}",
+                f"--prefix-repeats={self.prefix_repeats}",
+            ]
+        argv += [f"--output-dir={self.output_dir}"]
+        return shlex.join(argv)
+
+
+def run_throughput(opts: ThroughputOptions, log: Log | None = None) -> dict[str, Any]:
+    """Run the benchmark, print the tables, write the JSON (and plot); return the result."""
+    say: Log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    from loraplex.bench import report
+    from loraplex.bench.peak import measure_fp32_peak_gflops
+    from loraplex.bench.systems import HFBaseline, build_llm, run_loraplex, warm_up_loraplex
+    from loraplex.engine.default_model import resolve_model_dir
+
+    model_dir = resolve_model_dir(opts.model)
+    tokenizer, model_config = _load_tokenizer_and_config(model_dir)
+    shape = ModelShape.from_config(model_config)
+    workload = make_workload(
+        opts.num_requests,
+        opts.min_output,
+        opts.max_output,
+        min_words=opts.min_prompt_words,
+        max_words=opts.max_prompt_words,
+        seed=opts.seed,
+    )
+    prompts = [encode(tokenizer, p, chat=opts.chat) for p in workload.prompts]
+    lens = workload.output_lens
+    hf_n = min(opts.hf_max_requests or opts.num_requests, opts.num_requests)
+
+    say(f"model: {model_dir}")
+    say(
+        f"workload: {opts.num_requests} requests, prompts {min(map(len, prompts))}-"
+        f"{max(map(len, prompts))} tokens, outputs {min(lens)}-{max(lens)} tokens "
+        f"({sum(lens)} in all), greedy, EOS ignored"
+    )
+    peaks = [measure_fp32_peak_gflops()]
+    say(f"fp32 matmul peak (torch.mm 2048², best of 7): {peaks[0]:.1f} GFLOP/s")
+    warm_prompts = [
+        encode(tokenizer, p, chat=opts.chat)
+        for p in make_workload(4, 4, 4, seed=opts.seed + 1_000_003).prompts
+    ]
+
+    def fresh_llm() -> Any:
+        started = time.perf_counter()
+        llm = build_llm(model_dir, opts.engine)
+        warm_up_loraplex(llm, warm_prompts)
+        say(f"loraplex loaded and warmed up in {time.perf_counter() - started:.1f} s (not timed)")
+        return llm
+
+    llm = fresh_llm()
+    hf = None
+    if not opts.skip_hf:
+        started = time.perf_counter()
+        hf = HFBaseline(model_dir, opts.engine.dtype, opts.hf_batch_size)
+        hf.warm_up(warm_prompts)
+        say(
+            f"HF baseline loaded and warmed up in {time.perf_counter() - started:.1f} s (not timed)"
+        )
+
+    runs: list[RunResult] = []
+    warnings: list[str] = []
+    for r in range(opts.repeats):
+        # Alternate which system goes first so slow drift of a shared machine hits both alike.
+        order = ["loraplex", "hf"] if r % 2 == 0 else ["hf", "loraplex"]
+        for system in order:
+            if system == "loraplex":
+                if r > 0 and not _reset_prefix_cache(llm, opts):
+                    del llm
+                    llm = fresh_llm()
+                run = run_loraplex(llm, prompts, lens, r)
+            elif hf is not None:
+                run = hf.run(prompts[:hf_n], lens[:hf_n], r)
+            else:
+                continue
+            runs.append(run)
+            say(
+                f"repeat {r + 1}/{opts.repeats} {system:8s}: {run.num_requests} requests, "
+                f"{run.output_tokens} tokens in {run.seconds:.2f} s = {run.tokens_per_s:.1f} tok/s"
+            )
+            problem = _check_lengths(run, lens)
+            if problem:
+                say(f"warning: {problem}")
+                warnings.append(problem)
+
+    result: dict[str, Any] = {
+        "benchmark": "throughput",
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": opts.command_line(),
+        "options": _options_json(opts),
+        "machine": _machine(),
+        "model": {"dir": model_dir, "shape": asdict(shape)},
+        "workload": _workload_json(workload, prompts),
+        "flops_convention": (
+            "2 FLOPs per multiply-add; decoder linear layers per computed token "
+            "(prompt + fed-back outputs = P+O-1 per request); lm_head only for the O sampled rows; "
+            "exact causal attention QK^T + PV; norms/activations/softmax and prefix-cache reuse "
+            "not counted"
+        ),
+        "flops": {
+            "loraplex_workload": workload_flops(shape, list(map(len, prompts)), lens),
+            "hf_workload": workload_flops(shape, list(map(len, prompts[:hf_n])), lens[:hf_n]),
+        },
+        "runs": [run.to_json() for run in runs],
+        "warnings": warnings,
+    }
+    peaks.append(measure_fp32_peak_gflops())  # again at the end: a shared machine drifts
+    say(f"fp32 matmul peak again: {peaks[1]:.1f} GFLOP/s (the higher one is used)")
+    result["peak_gflops_measured"] = [round(p, 2) for p in peaks]
+    result["summary"] = _summarize(result, runs, max(peaks), hf_n, opts)
+    if hf is not None:
+        lp_last = next(r for r in reversed(runs) if r.system == "loraplex")
+        hf_last = next(r for r in reversed(runs) if r.system == "hf")
+        from loraplex.bench.systems import greedy_agreement
+
+        result["greedy_agreement_vs_hf"] = greedy_agreement(lp_last.outputs, hf_last.outputs)
+        del hf
+
+    out_dir = Path(opts.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"throughput-{time.strftime('%Y%m%d-%H%M%S')}"
+    if opts.profile:
+        from loraplex.bench.profile import profile_loraplex
+
+        if not _reset_prefix_cache(llm, opts):
+            del llm
+            llm = fresh_llm()
+        n = min(opts.profile_requests, opts.num_requests)
+        profile_path = out_dir / f"{stem}-profile.txt"
+        say(f"profiling loraplex on {n} requests ...")
+        print(profile_loraplex(llm, prompts[:n], lens[:n], profile_path))
+        result["profile"] = {"requests": n, "table": str(profile_path)}
+    engine_args = opts.engine
+    del llm
+    if opts.prefix_cache_test:
+        from loraplex.bench.prefix_cache import run_prefix_cache_test
+
+        say(f"prefix caching test: shared {opts.prefix_len}-token prefix ...")
+        result["prefix_cache_test"] = run_prefix_cache_test(
+            model_dir,
+            tokenizer,
+            engine_args,
+            prefix_len=opts.prefix_len,
+            repeats=opts.prefix_repeats,
+            seed=opts.seed,
+            log=say,
+        )
+
+    json_path = out_dir / f"{stem}.json"
+    print()
+    print(report.summary_table(result))
+    if "prefix_cache_test" in result:
+        print()
+        print(report.prefix_table(result["prefix_cache_test"]))
+    plot_note = report.write_plot(result, out_dir / f"{stem}.png")
+    result["plot"] = plot_note or str(out_dir / f"{stem}.png")
+    report.write_json(result, json_path)
+    print()
+    print(f"results: {json_path}")
+    print(f"plot: {plot_note}" if plot_note else f"plot: {out_dir / f'{stem}.png'}")
+    print(f"reproduce: {opts.command_line()}")
+    return result
+
+
+def _load_tokenizer_and_config(model_dir: str) -> tuple[Any, dict[str, Any]]:
+    import json
+
+    from transformers import AutoTokenizer
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return AutoTokenizer.from_pretrained(model_dir), config.get("text_config", config)
+
+
+def _reset_prefix_cache(llm: Any, opts: ThroughputOptions) -> bool:
+    """True when ``llm`` holds no cached prefix of the timed prompts any more."""
+    from loraplex.bench.systems import reset_prefix_cache
+
+    return not opts.engine.enable_prefix_caching or reset_prefix_cache(llm)
+
+
+def _check_lengths(run: RunResult, lens: list[int]) -> str | None:
+    expected = sum(lens[: run.num_requests])
+    if run.output_tokens == expected:
+        return None
+    return (
+        f"{run.system} repeat {run.repeat + 1} produced {run.output_tokens} output tokens, "
+        f"expected {expected} (fixed lengths, EOS ignored): the comparison is not like for like"
+    )
+
+
+def _summarize(
+    result: dict[str, Any], runs: list[RunResult], peak: float, hf_n: int, opts: ThroughputOptions
+) -> dict[str, Any]:
+    def system_summary(system: str, flops: int) -> dict[str, Any] | None:
+        mine = [r for r in runs if r.system == system]
+        if not mine:
+            return None
+        rates = [r.tokens_per_s for r in mine]
+        gflops = [flops / r.seconds / 1e9 for r in mine]
+        median_gflops = statistics.median(gflops)
+        return {
+            "requests": mine[0].num_requests,
+            "prefix_cache_hit_tokens": [r.engine.get("prefix_cache_hits") for r in mine],
+            "preemptions": [r.engine.get("num_preemptions") for r in mine],
+            "per_repeat_tokens_per_s": [round(v, 3) for v in rates],
+            "median_tokens_per_s": round(statistics.median(rates), 3),
+            "per_repeat_gflops": [round(v, 3) for v in gflops],
+            "median_gflops": round(median_gflops, 3),
+            "mfu": round(median_gflops / peak, 5),
+        }
+
+    flops = result["flops"]
+    lp = system_summary("loraplex", flops["loraplex_workload"]["total"])
+    hf = system_summary("hf", flops["hf_workload"]["total"])
+    if hf is not None:
+        hf["extrapolated"] = hf_n < opts.num_requests
+        hf["note"] = (
+            f"measured on the first {hf_n} of {opts.num_requests} requests; tokens/s taken as "
+            "the full workload's rate"
+            if hf_n < opts.num_requests
+            else "full workload"
+        )
+    speedup = (
+        round(lp["median_tokens_per_s"] / hf["median_tokens_per_s"], 3)
+        if lp and hf and hf["median_tokens_per_s"] > 0
+        else None
+    )
+    return {"peak_gflops": round(peak, 2), "loraplex": lp, "hf": hf, "speedup": speedup}
+
+
+def _options_json(opts: ThroughputOptions) -> dict[str, Any]:
+    data = asdict(opts)
+    data["model"] = opts.model or "embedded:SmolLM2-135M-Instruct"
+    return data
+
+
+def _workload_json(workload: Workload, prompts: list[list[int]]) -> dict[str, Any]:
+    return {
+        "num_requests": workload.num_requests,
+        "seed": workload.seed,
+        "prompt_tokens": [len(p) for p in prompts],
+        "output_lens": workload.output_lens,
+        "total_prompt_tokens": sum(map(len, prompts)),
+        "total_output_tokens": sum(workload.output_lens),
+    }
+
+
+def _machine() -> dict[str, Any]:
+    import os
+
+    import torch
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
+        "cuda": torch.cuda.is_available(),
+    }

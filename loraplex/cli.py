@@ -1,0 +1,227 @@
+"""The ``loraplex`` command: ``loraplex bench throughput [MODEL]``, ``loraplex serve`` (soon).
+
+Every failure prints one line, ``loraplex: error: ...``, and exits non-zero (2 for usage errors,
+1 for everything else); set ``LORAPLEX_DEBUG=1`` to see the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from loraplex import __version__
+
+PROG = "loraplex"
+
+
+class UsageError(Exception):
+    """A bad command line (exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line in one line instead of usage + message."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see: {self.prog} --help)")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG, description="Multi-tenant LoRA serving: one base model, many adapters."
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    commands.required = True
+
+    commands.add_parser("serve", help="serve the OpenAI-compatible API (not implemented yet)")
+
+    bench = commands.add_parser("bench", help="benchmarks (results as JSON in bench-results/)")
+    benches = bench.add_subparsers(dest="bench", metavar="BENCHMARK", parser_class=_Parser)
+    benches.required = True
+    _add_throughput(
+        benches.add_parser(
+            "throughput",
+            help="loraplex vs Hugging Face generate() on one offline workload",
+            description=(
+                "Run one seeded workload through loraplex and through Hugging Face generate() in the "
+                "same process, alternating, and report the ratio of median output tokens/s, the "
+                "achieved GFLOP/s and MFU against the fp32 matmul peak measured in the same run."
+            ),
+        )
+    )
+    return parser
+
+
+def _add_throughput(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="local Hugging Face directory or org/name hub id "
+        "(default: the embedded SmolLM2-135M-Instruct)",
+    )
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-requests", type=_positive, default=64)
+    w.add_argument("--min-output", type=_positive, default=16, help="shortest output (tokens)")
+    w.add_argument("--max-output", type=_positive, default=128, help="longest output (tokens)")
+    w.add_argument("--min-prompt-words", type=_positive, default=20)
+    w.add_argument("--max-prompt-words", type=_positive, default=60)
+    w.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--repeats", type=_positive, default=3, help="alternating runs per system")
+    w.add_argument(
+        "--num-adapters",
+        type=_non_negative,
+        default=0,
+        help="LoRA adapters in the workload (not supported yet: 0 only)",
+    )
+    w.add_argument(
+        "--adapter-dist",
+        choices=("uniform", "powerlaw"),
+        default="uniform",
+        help="how requests pick adapters",
+    )
+    h = p.add_argument_group("Hugging Face baseline")
+    h.add_argument("--hf-batch-size", type=_positive, default=8)
+    h.add_argument(
+        "--hf-max-requests",
+        type=_positive,
+        default=None,
+        help="run the baseline on the first N requests only and take their rate",
+    )
+    h.add_argument("--skip-hf", action="store_true", help="run loraplex only")
+    e = p.add_argument_group("loraplex engine")
+    e.add_argument("--block-size", type=_positive, default=16)
+    e.add_argument("--max-num-seqs", type=_positive, default=64)
+    e.add_argument("--max-num-batched-tokens", type=_positive, default=512)
+    e.add_argument("--num-blocks", type=_positive, default=None)
+    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
+    x = p.add_argument_group("experiments and output")
+    x.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one loraplex run (torch.profiler, top ops by self CPU time)",
+    )
+    x.add_argument("--profile-requests", type=_positive, default=16)
+    x.add_argument(
+        "--prefix-cache-test",
+        action="store_true",
+        help="also measure time to first token with a shared prefix, caching on vs off",
+    )
+    x.add_argument("--prefix-len", type=_positive, default=512)
+    x.add_argument("--prefix-repeats", type=_positive, default=5)
+    x.add_argument("--output-dir", default="bench-results")
+
+
+def _throughput(args: argparse.Namespace) -> int:
+    from loraplex.bench import EngineArgs, ThroughputOptions, run_throughput
+
+    opts = ThroughputOptions(
+        model=args.model,
+        num_requests=args.num_requests,
+        min_output=args.min_output,
+        max_output=args.max_output,
+        min_prompt_words=args.min_prompt_words,
+        max_prompt_words=args.max_prompt_words,
+        chat=args.chat,
+        seed=args.seed,
+        repeats=args.repeats,
+        hf_batch_size=args.hf_batch_size,
+        hf_max_requests=args.hf_max_requests,
+        skip_hf=args.skip_hf,
+        engine=EngineArgs(
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            num_blocks=args.num_blocks,
+            enable_prefix_caching=not args.no_prefix_caching,
+            dtype=args.dtype,
+        ),
+        profile=args.profile,
+        profile_requests=args.profile_requests,
+        prefix_cache_test=args.prefix_cache_test,
+        prefix_len=args.prefix_len,
+        prefix_repeats=args.prefix_repeats,
+        num_adapters=args.num_adapters,
+        adapter_dist=args.adapter_dist,
+        output_dir=args.output_dir,
+    )
+    run_throughput(opts)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    _fail("`loraplex serve` is not implemented yet", code=2)
+
+
+def _fail(message: str, code: int = 1) -> NoReturn:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())  # newlines in library messages would break "one line"
+    return text or type(error).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; return the exit code (0 on success)."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        parser = build_parser()
+        args, extra = parser.parse_known_args(args_list)
+        if args.command == "serve":  # a placeholder: whatever flags it was given
+            return _serve(args)
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if args.command == "bench" and args.bench == "throughput":
+            return _throughput(args)
+        raise UsageError(f"unknown command: {' '.join(args_list)}")
+    except UsageError as e:
+        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except Exception as e:
+        if os.environ.get("LORAPLEX_DEBUG"):
+            raise
+        from loraplex.engine.default_model import ModelResolutionError
+
+        known = isinstance(
+            e, ModelResolutionError | ValueError | OSError | ImportError | MemoryError
+        )
+        prefix = "" if known else f"{type(e).__name__}: "
+        print(f"{PROG}: error: {prefix}{_one_line(e)}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The engine core: one scheduler, one model runner, and the step that joins them."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from loraplex.config import EngineConfig
+from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.records import EngineCoreOutput
+from loraplex.engine.request import Request
+from loraplex.engine.runner import ModelRunner
+from loraplex.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model_dir: str):
+        self.config = config
+        self.runner = ModelRunner(config.model, config.cache, config.scheduler, model_dir)
+        spec = self.runner.spec
+        num_blocks = self.runner.init_kv_cache()
+        block_size = config.cache.block_size
+        max_model_len = config.model.max_model_len or spec.max_position_embeddings
+        capacity = (num_blocks - 1) * block_size
+        if capacity < max_model_len:
+            if config.model.max_model_len is not None:
+                raise ValueError(
+                    f"the KV cache holds {capacity} tokens ({num_blocks - 1} blocks of "
+                    f"{block_size}), less than max_model_len={max_model_len}; give it more "
+                    "memory (kv_cache_memory / num_blocks) or lower max_model_len"
+                )
+            logger.info("max_model_len lowered to %d to fit the KV cache", capacity)
+            max_model_len = capacity
+        self.max_model_len = max_model_len
+        self.vocab_size = spec.vocab_size
+        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len)
+
+    def add_request(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        out = self.scheduler.schedule()
+        result = self.runner.execute(out)
+        return self.scheduler.update(out, result)
+
+    def stats(self) -> dict[str, Any]:
+        kv, sched = self.kv, self.scheduler
+        queries = kv.stats.prefix_queries
+        return {
+            "num_running": sched.num_running,
+            "num_waiting": sched.num_waiting,
+            "kv_blocks_total": kv.num_usable_blocks,
+            "kv_blocks_used": kv.num_used_blocks,
+            "kv_blocks_free": kv.num_free_blocks,
+            "kv_blocks_cached": kv.num_cached_blocks,
+            "kv_cache_usage": kv.usage,
+            "block_size": kv.block_size,
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": kv.stats.prefix_hits,
+            "prefix_cache_hit_rate": kv.stats.prefix_hits / queries if queries else 0.0,
+            "prefix_cache_evictions": kv.stats.evictions,
+            "num_preemptions": sched.stats.num_preemptions,
+            "num_steps": sched.stats.num_steps,
+            "num_prompt_tokens_computed": sched.stats.num_prompt_tokens_computed,
+            "num_generated_tokens": sched.stats.num_generated_tokens,
+            "max_model_len": self.max_model_len,
+        }

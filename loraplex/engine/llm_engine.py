@@ -1,0 +1,140 @@
+"""LLMEngine: tokenizer + input validation + the engine core + output processing, in one
+process. The offline ``LLM`` class and the in-process engine client are built on it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from loraplex.config import EngineConfig
+from loraplex.engine.core import EngineCore
+from loraplex.engine.default_model import resolve_model_dir
+from loraplex.engine.output_processor import OutputProcessor
+from loraplex.engine.request import Request
+from loraplex.outputs import RequestOutput
+from loraplex.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+def load_tokenizer(model_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        start = time.perf_counter()
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model.model)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.core = EngineCore(config, self.model_dir)
+        self.eos_token_ids = frozenset(self.core.runner.spec.eos_token_ids) | (
+            frozenset({self.tokenizer.eos_token_id})
+            if self.tokenizer.eos_token_id is not None
+            else frozenset()
+        )
+        self.processor = OutputProcessor(self.tokenizer)
+        self.load_seconds = time.perf_counter() - start
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: send at least one token")
+            return list(self.tokenizer(prompt).input_ids)
+        return list(prompt)
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        """Raise ValueError naming the field for a prompt the engine cannot serve."""
+        if not token_ids:
+            raise ValueError("prompt is empty: send at least one token")
+        vocab = self.core.vocab_size
+        for t in token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(
+                    f"prompt_token_ids holds {t!r}, which is not a token id of this model "
+                    f"(valid ids are integers 0..{vocab - 1})"
+                )
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens long, but this model's context "
+                f"(max_model_len) is {self.max_model_len} tokens, and at least one must be left "
+                "for the output; shorten the prompt"
+            )
+        needed = self.core.kv.blocks_needed(len(token_ids) + 1)
+        if needed > self.core.kv.num_usable_blocks:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens long and does not fit in the KV cache "
+                f"({self.core.kv.num_usable_blocks * self.core.kv.block_size} tokens); "
+                "shorten it or give the engine more KV memory"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        cache_extra_keys: tuple[str, ...] = (),
+        detokenize: bool = True,
+    ) -> None:
+        token_ids = self.tokenize(prompt)
+        self.validate_prompt(token_ids)
+        self.add_tokenized_request(
+            request_id,
+            prompt if isinstance(prompt, str) else None,
+            token_ids,
+            params,
+            cache_extra_keys=cache_extra_keys,
+            detokenize=detokenize,
+        )
+
+    def add_tokenized_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        *,
+        cache_extra_keys: tuple[str, ...] = (),
+        detokenize: bool = True,
+    ) -> None:
+        if self.processor.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.processor.add_request(request_id, prompt, token_ids, params, detokenize)
+        for i, sid in enumerate(ids):
+            self.core.add_request(
+                Request(
+                    sid,
+                    token_ids,
+                    params.for_child(i) if params.n > 1 else params,
+                    eos_token_ids=self.eos_token_ids,
+                    cache_extra_keys=cache_extra_keys,
+                    parent_id=ids[0] if i else None,
+                )
+            )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        self.core.abort_requests(self.processor.unfinished_sample_ids(request_id))
+        return self.processor.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.processor.num_unfinished > 0 or self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.core.step()
+        results, to_abort = self.processor.process(outputs)
+        if to_abort:
+            self.core.abort_requests(to_abort)
+        return results
+
+    def stats(self) -> dict[str, Any]:
+        return self.core.stats()

@@ -1,0 +1,188 @@
+"""ModelRunner: turns a ``SchedulerOutput`` into tensors, runs the model, samples.
+
+One ``execute`` per engine step: copy-on-write block copies, flat batch construction (numpy, no
+per-token Python), one forward pass, logits for the sampling rows only, the sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from loraplex.config import CacheConfig, ModelConfig, SchedulerConfig
+from loraplex.engine.attention import BatchLayout, TorchPagedAttention
+from loraplex.engine.models.llama import LlamaForCausalLM
+from loraplex.engine.models.loader import (
+    ModelSpec,
+    build_spec,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+)
+from loraplex.engine.records import RunnerOutput, SchedulerOutput, TokenLogprobs
+from loraplex.engine.sampler import Sampler, SampleRow
+
+logger = logging.getLogger(__name__)
+
+_CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        model_dir: str,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.device = resolve_device(model_config.device)
+        dtype = resolve_dtype(model_config.dtype, self.device)
+        torch.manual_seed(model_config.seed)
+        self.model: LlamaForCausalLM
+        self.model, self.hf_config = load_model(
+            model_dir, dtype, self.device, model_config.max_model_len
+        )
+        self._spec = build_spec(model_dir, self.hf_config, dtype)
+        self.max_model_len = model_config.max_model_len or self._spec.max_position_embeddings
+        if self.max_model_len > self._spec.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's maximum context "
+                f"({self._spec.max_position_embeddings})"
+            )
+        self.block_size = cache_config.block_size
+        self.attn = TorchPagedAttention(self.device, dtype)
+        self.sampler = Sampler(self._spec.vocab_size, self.device)
+        self.kv_cache: torch.Tensor | None = None  # [layers, 2, num_blocks, block_size, H_kv, Dh]
+        self.num_blocks = 0
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self._spec
+
+    # ---- KV cache -------------------------------------------------------------------------
+
+    def _num_blocks(self) -> int:
+        cc = self.cache_config
+        per_block = self._spec.kv_bytes_per_block(self.block_size)
+        if cc.num_blocks is not None:
+            return cc.num_blocks
+        if cc.kv_cache_memory is not None:
+            budget = cc.kv_cache_memory
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used_by_others = total - free
+            budget = int(total * cc.gpu_memory_utilization) - used_by_others
+            # leave room for activations of the largest step (rough: logits dominate)
+            budget -= 4 * self.scheduler_config.max_num_batched_tokens * self._spec.vocab_size * 4
+        else:
+            # enough for every sequence at full length, plus the null block, at most 1 GiB
+            per_seq = -(-self.max_model_len // self.block_size)
+            needed = (self.scheduler_config.max_num_seqs * per_seq + 1) * per_block
+            budget = min(_CPU_DEFAULT_KV_BYTES, needed)
+        num = budget // per_block
+        if num < 2:
+            raise ValueError(
+                f"KV cache budget of {max(budget, 0)} bytes holds {max(num, 0)} blocks of "
+                f"{per_block} bytes; need at least 2 (raise kv_cache_memory or num_blocks)"
+            )
+        return int(num)
+
+    def init_kv_cache(self) -> int:
+        """Allocate the KV cache (zeroed; block 0 is the null block) and return ``num_blocks``."""
+        num_blocks = self._num_blocks()
+        s = self._spec
+        shape = self.attn.kv_cache_shape(num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+        self.kv_cache = torch.zeros((s.num_layers, *shape), dtype=s.dtype, device=self.device)
+        self.model.bind_attention(self.attn, list(self.kv_cache.unbind(0)))
+        self.num_blocks = num_blocks
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            num_blocks,
+            self.block_size,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+        )
+        return num_blocks
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def _layout(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, BatchLayout]:
+        reqs = out.requests
+        bs = self.block_size
+        qlens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=len(reqs))
+        starts = np.fromiter((r.start_pos for r in reqs), dtype=np.int64, count=len(reqs))
+        token_ids: list[int] = []
+        for r in reqs:
+            token_ids.extend(r.token_ids)
+        num_tokens = len(token_ids)
+        qstart = np.cumsum(qlens) - qlens  # [B] first row of each request
+        req_of_token = np.repeat(np.arange(len(reqs)), qlens)  # [T]
+        positions = np.arange(num_tokens) - qstart[req_of_token] + starts[req_of_token]  # [T]
+        # slot = block_table[pos // bs] * bs + pos % bs; gather from a padded table
+        needed = (starts + qlens + bs - 1) // bs  # [B] blocks covering each request's keys
+        width = int(needed.max())
+        table = np.zeros((len(reqs), width), dtype=np.int64)  # padding: the null block
+        for i, r in enumerate(reqs):
+            bt = r.block_table[:width]
+            if len(bt) < needed[i]:
+                raise ValueError(
+                    f"request {r.request_id}: block table of {len(r.block_table)} blocks cannot "
+                    f"hold {int(starts[i] + qlens[i])} tokens of {bs}-token blocks"
+                )
+            table[i, : len(bt)] = bt
+        slots = table[req_of_token, positions // bs] * bs + positions % bs  # [T]
+
+        dev = self.device
+        ids_t = torch.tensor(token_ids, dtype=torch.long, device=dev)  # [T]
+        pos_t = torch.from_numpy(positions).to(dev)  # [T]
+        slot_t = torch.from_numpy(slots).to(dev)  # [T]
+        layout = BatchLayout(qlens, starts, table, slot_t, bs)
+        return ids_t, pos_t, layout
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        if out.finished_request_ids:
+            self.sampler.forget(out.finished_request_ids)
+        if out.is_empty:
+            return RunnerOutput(sampled={})
+        if self.kv_cache is None:
+            raise RuntimeError("call init_kv_cache() before execute()")
+        self.attn.copy_blocks(self.kv_cache, out.blocks_to_copy)
+
+        input_ids, positions, layout = self._layout(out)
+        metadata = self.attn.build_metadata(layout)
+        hidden = self.model(input_ids, positions, metadata)  # [T, hidden]
+
+        last_row = np.cumsum(layout.query_lens) - 1  # [B]
+        row_of: dict[str, int] = {}
+        rows: list[SampleRow] = []
+        index: list[int] = []
+        for i, r in enumerate(out.requests):
+            row_of[r.request_id] = int(last_row[i])
+            if r.sample:
+                rows.append(
+                    SampleRow(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids)
+                )
+                index.append(int(last_row[i]))
+        for fork in out.forks:
+            rows.append(
+                SampleRow(
+                    fork.request_id, fork.params, fork.prompt_token_ids, fork.output_token_ids
+                )
+            )
+            index.append(row_of[fork.parent_id])  # a fork samples from its parent's last row
+        if not rows:
+            return RunnerOutput(sampled={})
+
+        idx = torch.tensor(index, dtype=torch.long, device=self.device)  # [S]
+        logits = self.model.compute_logits(hidden.index_select(0, idx)).float()  # [S, V]
+        tokens, logprobs = self.sampler(logits, rows)
+        sampled = {row.request_id: tok for row, tok in zip(rows, tokens, strict=True)}
+        lps: dict[str, TokenLogprobs] = {
+            row.request_id: lp for row, lp in zip(rows, logprobs, strict=True) if lp is not None
+        }
+        return RunnerOutput(sampled=sampled, logprobs=lps)

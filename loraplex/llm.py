@@ -1,0 +1,137 @@
+"""The offline API, shaped like vLLM's: ``LLM(model=...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from loraplex.config import CacheConfig, DType, EngineConfig, ModelConfig, SchedulerConfig
+from loraplex.engine.llm_engine import LLMEngine, Prompt
+from loraplex.outputs import RequestOutput
+from loraplex.sampling_params import SamplingParams
+
+
+class LLM:
+    """One base model, batched generation over many prompts.
+
+    ``model`` is a local Hugging Face directory (or a hub id where there is network); ``None``
+    serves the embedded SmolLM2-135M-Instruct.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: DType = "auto",
+        device: str = "auto",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        config = EngineConfig(
+            model=ModelConfig(
+                model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                num_blocks=num_blocks,
+                kv_cache_memory=kv_cache_memory,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+            ),
+        )
+        self.llm_engine = LLMEngine(config)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def engine_stats(self) -> dict[str, Any]:
+        """KV blocks used/free, prefix-cache queries/hits, preemptions, steps."""
+        return self.llm_engine.stats()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in prompt order.
+
+        A prompt is a string or a list of token ids. ``sampling_params`` is one for all prompts
+        or a list with one per prompt. Every prompt is validated before any is run.
+        """
+        engine = self.llm_engine
+        items = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise ValueError(
+                    f"sampling_params has {len(params)} entries for {len(items)} prompts; "
+                    "give one SamplingParams, or one per prompt"
+                )
+        tokenized = []
+        for i, prompt in enumerate(items):
+            try:
+                ids = engine.tokenize(prompt)
+                engine.validate_prompt(ids)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            tokenized.append(ids)
+
+        request_ids = [f"gen-{next(self._counter)}" for _ in items]
+        for rid, prompt, ids, p in zip(request_ids, items, tokenized, params):
+            text = prompt if isinstance(prompt, str) else None
+            engine.add_tokenized_request(rid, text, ids, p)
+        return self._run(request_ids, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        wanted = set(request_ids)
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(request_ids) > 1:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(request_ids), desc="generate", unit="req")
+        try:
+            while len(done) < len(wanted):
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in wanted - done.keys():
+                engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[rid] for rid in request_ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [list(items)]  # type: ignore[list-item]
+    if not items:
+        raise ValueError("prompts is empty: give at least one prompt")
+    return [p if isinstance(p, str) else list(p) for p in items]
