@@ -53,7 +53,9 @@ class CacheConfig:
                 f"got {self.num_blocks}"
             )
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be a positive byte count; got {self.kv_cache_memory}")
+            raise ValueError(
+                f"kv_cache_memory must be a positive byte count; got {self.kv_cache_memory}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}"

@@ -95,7 +95,7 @@ class LLM:
             tokenized.append(ids)
 
         request_ids = [f"gen-{next(self._counter)}" for _ in items]
-        for rid, prompt, ids, p in zip(request_ids, items, tokenized, params):
+        for rid, prompt, ids, p in zip(request_ids, items, tokenized, params, strict=False):
             text = prompt if isinstance(prompt, str) else None
             engine.add_tokenized_request(rid, text, ids, p)
         return self._run(request_ids, use_tqdm)
@@ -129,9 +129,9 @@ class LLM:
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    items = list(prompts)
-    if items and all(isinstance(t, int) for t in items):
-        return [list(items)]  # type: ignore[list-item]
+    items: list[Any] = list(prompts)
     if not items:
         raise ValueError("prompts is empty: give at least one prompt")
+    if all(isinstance(t, int) for t in items):
+        return [items]  # one prompt given as token ids
     return [p if isinstance(p, str) else list(p) for p in items]

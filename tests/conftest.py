@@ -23,7 +23,9 @@ def _write_tokenizer(path: Path, vocab_size: int) -> None:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t2", bos_token="t1")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="t0", eos_token="t2", bos_token="t1"
+    )
     fast.save_pretrained(path)
 
 

@@ -54,7 +54,9 @@ class _Block:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 2:
-            raise ValueError(f"num_blocks must be at least 2 (one is the null block); got {num_blocks}")
+            raise ValueError(
+                f"num_blocks must be at least 2 (one is the null block); got {num_blocks}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching

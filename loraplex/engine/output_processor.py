@@ -70,7 +70,7 @@ class OutputProcessor:
         state = _RequestState(request_id, prompt, prompt_token_ids, params, samples)
         self._states[request_id] = state
         ids = sample_ids(request_id, params.n)
-        for sid, sample in zip(ids, samples):
+        for sid, sample in zip(ids, samples, strict=False):
             self._sample_of[sid] = (state, sample)
         return ids
 
@@ -96,7 +96,7 @@ class OutputProcessor:
         if state is None:
             return []
         ids = sample_ids(request_id, state.params.n)
-        return [sid for sid, s in zip(ids, state.samples) if s.finish_reason is None]
+        return [sid for sid, s in zip(ids, state.samples, strict=False) if s.finish_reason is None]
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Apply one step's outputs. Returns the changed requests' outputs, and the sample ids
@@ -141,7 +141,10 @@ class OutputProcessor:
     def _add_logprobs(self, sample: _Sample, items: list[TokenLogprobs]) -> None:
         assert sample.logprobs is not None
         for lp in items:
-            entry = {tok: Logprob(val, rank + 1, self._decode(tok)) for rank, (tok, val) in enumerate(lp.top)}
+            entry = {
+                tok: Logprob(val, rank + 1, self._decode(tok))
+                for rank, (tok, val) in enumerate(lp.top)
+            }
             entry[lp.token_id] = Logprob(lp.logprob, lp.rank, self._decode(lp.token_id))
             sample.logprobs.append(entry)
             sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + lp.logprob

@@ -58,7 +58,9 @@ class FakeRunner:
             context = []
             for pos in range(end):
                 tok, stored_pos = self.slots[s.block_table[pos // bs] * bs + pos % bs]
-                assert stored_pos == pos, f"{s.request_id}: slot of position {pos} holds {stored_pos}"
+                assert stored_pos == pos, (
+                    f"{s.request_id}: slot of position {pos} holds {stored_pos}"
+                )
                 context.append(tok)
             last_context[s.request_id] = context
         sampled: dict[str, int] = {}

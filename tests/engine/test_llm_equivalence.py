@@ -21,14 +21,16 @@ from tests.conftest import make_tiny_model
 TOP = 5
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: list[int]) -> list[tuple[list[int], list[dict[int, float]]]]:
+def hf_greedy(
+    model_dir: str, prompts: list[list[int]], max_tokens: list[int]
+) -> list[tuple[list[int], list[dict[int, float]]]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()
     results = []
     with torch.inference_mode():
-        for prompt, n in zip(prompts, max_tokens):
+        for prompt, n in zip(prompts, max_tokens, strict=False):
             out = model.generate(
                 torch.tensor([prompt]),
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
@@ -44,7 +46,7 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: list[int]) -
             for logits in out.logits:
                 lp = torch.log_softmax(logits[0].float(), dim=-1)
                 v, i = lp.topk(TOP)
-                tops.append(dict(zip(i.tolist(), v.tolist())))
+                tops.append(dict(zip(i.tolist(), v.tolist(), strict=False)))
             results.append((tokens, tops))
     return results
 
@@ -55,9 +57,9 @@ def assert_close(
 ) -> int:
     """Returns how many sequences diverged within float noise; fails on a real mismatch."""
     diverged = 0
-    for i, ((a_tok, a_top), (b_tok, b_top)) in enumerate(zip(ours, ref)):
+    for i, ((a_tok, a_top), (b_tok, b_top)) in enumerate(zip(ours, ref, strict=False)):
         assert len(a_tok) == len(b_tok), f"prompt {i}: {len(a_tok)} vs {len(b_tok)} tokens"
-        for pos, (a, b) in enumerate(zip(a_tok, b_tok)):
+        for pos, (a, b) in enumerate(zip(a_tok, b_tok, strict=False)):
             if a == b:
                 continue
             assert a in b_top[pos] and b in a_top[pos], (
@@ -69,8 +71,13 @@ def assert_close(
     return diverged
 
 
-def run_ours(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> list[tuple[list[int], list[dict[int, float]]]]:
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=TOP) for n in max_tokens]
+def run_ours(
+    llm: LLM, prompts: list[list[int]], max_tokens: list[int]
+) -> list[tuple[list[int], list[dict[int, float]]]]:
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=TOP)
+        for n in max_tokens
+    ]
     outs = llm.generate(prompts, params, use_tqdm=False)
     result = []
     for o in outs:
@@ -83,18 +90,45 @@ def run_ours(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> list[
 def workload(seed: int, n: int = 16, shared_prefix: int = 0) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(seed)
     prefix = [rng.randrange(3, 500) for _ in range(shared_prefix)]
-    prompts = [prefix + [rng.randrange(3, 500) for _ in range(rng.randint(1, 48))] for _ in range(n)]
+    prompts = [
+        prefix + [rng.randrange(3, 500) for _ in range(rng.randint(1, 48))] for _ in range(n)
+    ]
     return prompts, [rng.randint(4, 24) for _ in range(n)]
 
 
 MODELS = [
-    pytest.param("llama", 0, dict(num_key_value_heads=2, tie_word_embeddings=True), id="llama-gqa-tied-s0"),
-    pytest.param("llama", 1, dict(num_key_value_heads=4, tie_word_embeddings=False), id="llama-mha-untied-s1"),
-    pytest.param("llama", 2, dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), id="llama3-rope-s2"),
-    pytest.param("qwen2", 3, dict(num_key_value_heads=2, tie_word_embeddings=False), id="qwen2-gqa-s3"),
-    pytest.param("qwen2", 4, dict(num_key_value_heads=1, tie_word_embeddings=True), id="qwen2-mqa-tied-s4"),
-    pytest.param("qwen3", 5, dict(num_key_value_heads=2, tie_word_embeddings=False), id="qwen3-gqa-s5"),
-    pytest.param("qwen3", 6, dict(num_key_value_heads=4, tie_word_embeddings=True), id="qwen3-mha-tied-s6"),
+    pytest.param(
+        "llama", 0, dict(num_key_value_heads=2, tie_word_embeddings=True), id="llama-gqa-tied-s0"
+    ),
+    pytest.param(
+        "llama", 1, dict(num_key_value_heads=4, tie_word_embeddings=False), id="llama-mha-untied-s1"
+    ),
+    pytest.param(
+        "llama",
+        2,
+        dict(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        ),
+        id="llama3-rope-s2",
+    ),
+    pytest.param(
+        "qwen2", 3, dict(num_key_value_heads=2, tie_word_embeddings=False), id="qwen2-gqa-s3"
+    ),
+    pytest.param(
+        "qwen2", 4, dict(num_key_value_heads=1, tie_word_embeddings=True), id="qwen2-mqa-tied-s4"
+    ),
+    pytest.param(
+        "qwen3", 5, dict(num_key_value_heads=2, tie_word_embeddings=False), id="qwen3-gqa-s5"
+    ),
+    pytest.param(
+        "qwen3", 6, dict(num_key_value_heads=4, tie_word_embeddings=True), id="qwen3-mha-tied-s6"
+    ),
 ]
 
 SCENARIOS = {
@@ -107,7 +141,9 @@ SCENARIOS = {
 
 
 @pytest.mark.parametrize(("arch", "seed", "overrides"), MODELS)
-def test_matches_hf_greedy(tmp_path: Path, arch: str, seed: int, overrides: dict[str, object]) -> None:
+def test_matches_hf_greedy(
+    tmp_path: Path, arch: str, seed: int, overrides: dict[str, object]
+) -> None:
     model_dir = make_tiny_model(tmp_path / arch, arch, seed=seed, **overrides)
     for name, (kwargs, prefix) in SCENARIOS.items():
         prompts, max_tokens = workload(seed * 10 + len(name), shared_prefix=prefix)

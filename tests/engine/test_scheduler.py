@@ -144,7 +144,9 @@ def test_abort_anywhere_returns_blocks() -> None:
 def test_stop_conditions() -> None:
     sched, runner = make()
     first = reference_generate([1, 2, 3], 5)
-    r = Request("eos", [1, 2, 3], SamplingParams(max_tokens=50), eos_token_ids=frozenset({first[2]}))
+    r = Request(
+        "eos", [1, 2, 3], SamplingParams(max_tokens=50), eos_token_ids=frozenset({first[2]})
+    )
     sched.add_request(r)
     add(sched, "stopid", [1, 2, 3], 50, stop_token_ids=[first[1]])
     add(sched, "ignore", [1, 2, 3], 4, ignore_eos=True, stop_token_ids=[])

@@ -1,0 +1,189 @@
+"""``add_lora``: the one place that picks the LoRA backend, plus the fast CPU torch path.
+
+* ``triton`` (default on CUDA): ``lora_shrink`` into a per-step fp32 workspace, then
+  ``lora_expand`` into ``y``.
+* ``torch`` (default elsewhere): ``add_lora_torch`` below, which skips the per-token workspace.
+  Per call it does one gather of the segments' rows into a padded ``[S, L, in]`` block, two
+  ``bmm`` per slice against the active slots' weights cut to the largest active rank, and one
+  ``index_add_`` per slice into ``y``'s column slice. When the padded block would waste more than
+  about 2× (one long prefill segment beside short ones) it loops over segments instead.
+
+``LORAPLEX_LORA_BACKEND=torch|triton`` forces a backend; any other value is an error.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+
+from loraplex.kernels.lora_expand import lora_expand
+from loraplex.kernels.lora_shrink import (
+    HAS_TRITON,
+    SUPPORTED_DTYPES,
+    check_meta_args,
+    check_stacks,
+    lora_shrink,
+)
+from loraplex.kernels.meta import LoRAKernelMeta
+
+LoRABackend = Literal["torch", "triton"]
+BACKEND_ENV = "LORAPLEX_LORA_BACKEND"
+
+
+@dataclass(frozen=True)
+class LoRALayerWeights:
+    """One layer's adapter stacks; slots are rows of dim 0, zero-padded beyond each rank."""
+
+    lora_a: tuple[torch.Tensor, ...]  # per slice [max_loras, max_rank, in_features]
+    lora_b: tuple[torch.Tensor, ...]  # per slice [max_loras, n_j, max_rank]
+    slice_offsets: tuple[int, ...]  # column offset of slice j in the layer's output
+    ranks: torch.Tensor  # [max_loras] int32, each slot's own rank (0 = empty slot)
+    scales: torch.Tensor  # [max_loras] float32, PEFT alpha/r (or alpha/sqrt(r))
+
+    def __post_init__(self) -> None:
+        if not (len(self.lora_a) == len(self.lora_b) == len(self.slice_offsets) >= 1):
+            raise ValueError(
+                f"lora_a, lora_b and slice_offsets need one entry per slice, got "
+                f"{len(self.lora_a)}, {len(self.lora_b)}, {len(self.slice_offsets)}"
+            )
+        max_loras, max_rank, _ = self.lora_a[0].shape
+        for j, (a, b) in enumerate(zip(self.lora_a, self.lora_b, strict=True)):
+            if a.shape != self.lora_a[0].shape or b.shape[0] != max_loras or b.shape[2] != max_rank:
+                raise ValueError(
+                    f"slice {j}: lora_a {tuple(a.shape)} / lora_b {tuple(b.shape)} do not match "
+                    f"[{max_loras}, {max_rank}, in] / [{max_loras}, n, {max_rank}]"
+                )
+
+    @property
+    def max_rank(self) -> int:
+        return int(self.lora_a[0].shape[1])
+
+
+def select_backend(device: torch.device) -> LoRABackend:
+    """``LORAPLEX_LORA_BACKEND`` if set, else Triton on CUDA and torch elsewhere."""
+    forced = os.environ.get(BACKEND_ENV, "").strip()
+    allowed = get_args(LoRABackend)
+    if forced and forced not in allowed:
+        raise ValueError(f"{BACKEND_ENV}={forced!r} is not one of {', '.join(allowed)}")
+    backend: LoRABackend = (
+        "triton" if forced == "triton" or (not forced and device.type == "cuda") else "torch"
+    )
+    if backend == "triton" and not HAS_TRITON:
+        raise RuntimeError(
+            f"the Triton LoRA backend needs the `triton` package; install it or set "
+            f"{BACKEND_ENV}=torch"
+        )
+    return backend
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    weights: LoRALayerWeights,
+    meta: LoRAKernelMeta,
+    *,
+    backend: LoRABackend | None = None,
+) -> None:
+    """``y[t, off_j : off_j + n_j] += scale[s] * (x[t] @ A_j[s].T) @ B_j[s].T`` for slotted tokens.
+
+    x: [T, in_features]; y: [T, total_out], updated in place. Free when no token uses LoRA.
+    """
+    if not meta.has_lora:
+        return
+    if (backend or select_backend(x.device)) == "triton":
+        buf = meta.workspace(len(weights.lora_a), weights.max_rank)  # [num_slices, T, R] fp32
+        lora_shrink(x, weights.lora_a, meta, weights.ranks, weights.scales, buf)
+        lora_expand(buf, weights.lora_b, meta, weights.ranks, y, weights.slice_offsets)
+    else:
+        add_lora_torch(y, x, weights, meta)
+
+
+def _check_torch_args(
+    y: torch.Tensor, x: torch.Tensor, weights: LoRALayerWeights, meta: LoRAKernelMeta
+) -> None:
+    if x.dim() != 2 or y.dim() != 2 or x.dtype not in SUPPORTED_DTYPES or y.dtype != x.dtype:
+        raise ValueError(
+            f"x [T, in] and y [T, out] must be 2-D with one fp32/fp16/bf16 dtype, got "
+            f"x {x.dtype} {tuple(x.shape)}, y {y.dtype} {tuple(y.shape)}"
+        )
+    check_meta_args(meta, x.shape[0], weights.ranks, x.device)
+    if y.shape[0] != x.shape[0]:
+        raise ValueError(f"y has {y.shape[0]} rows, x has {x.shape[0]}")
+    check_stacks("lora_a", weights.lora_a, x.dtype, meta.max_loras)
+    check_stacks("lora_b", weights.lora_b, x.dtype, meta.max_loras)
+    if weights.lora_a[0].shape[2] != x.shape[1]:
+        raise ValueError(f"lora_a has in_features {weights.lora_a[0].shape[2]}, x {x.shape[1]}")
+    for j, (b, off) in enumerate(zip(weights.lora_b, weights.slice_offsets, strict=True)):
+        if off < 0 or off + b.shape[1] > y.shape[1]:
+            raise ValueError(f"slice {j} does not fit y's {y.shape[1]} columns")
+
+
+def add_lora_torch(
+    y: torch.Tensor, x: torch.Tensor, weights: LoRALayerWeights, meta: LoRAKernelMeta
+) -> None:
+    """The torch backend of ``add_lora`` (see module doc); exact per slot rank in the loop path."""
+    _check_torch_args(y, x, weights, meta)
+    if not meta.has_lora:
+        return
+    plan = meta.torch_plan()
+    rank_list: list[int] = weights.ranks.tolist()
+    slots = meta.active_slot_list
+    if not plan.padded:
+        _add_lora_per_segment(y, x, weights, meta, plan.sorted_index, rank_list)
+        return
+    r = max(rank_list[s] for s in slots)  # largest active rank, not max_rank
+    if r == 0:
+        return
+    S, L, K = meta.num_segments, plan.seg_len, x.shape[1]
+    lo = slots[0]
+    if slots[-1] - lo == S - 1:  # slots lo..lo+S-1 all active: views, no weight copies
+
+        def select(w: torch.Tensor) -> torch.Tensor:
+            return w.narrow(0, lo, S)
+
+    else:
+
+        def select(w: torch.Tensor) -> torch.Tensor:
+            return w.index_select(0, plan.active_index)
+
+    rowscale = plan.pad_mask * select(weights.scales).view(S, 1, 1)  # [S, L, 1], 0 on pads
+    # identity: tokens already grouped in equal segments, so no gather and no scatter
+    xg = (
+        x.reshape(S, L, K) if plan.identity else x.index_select(0, plan.pad_index).view(S, L, K)
+    )  # [S, L, in]
+    for a, b, off in zip(weights.lora_a, weights.lora_b, weights.slice_offsets, strict=True):
+        n = b.shape[1]
+        h = torch.bmm(xg, select(a)[:, :r].transpose(1, 2))  # [S, L, r]
+        h.mul_(rowscale)
+        d = torch.bmm(h, select(b)[:, :, :r].transpose(1, 2))  # [S, L, n]
+        cols = y[:, off : off + n]  # [T, n] view
+        if plan.identity:
+            cols.view(S, L, n).add_(d)
+        else:
+            cols.index_add_(0, plan.pad_index, d.view(S * L, n))  # pads add zeros
+
+
+def _add_lora_per_segment(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    weights: LoRALayerWeights,
+    meta: LoRAKernelMeta,
+    sorted_index: torch.Tensor,
+    rank_list: list[int],
+) -> None:
+    scale_list: list[float] = weights.scales.tolist()
+    for slot, start, n in zip(
+        meta.active_slot_list, meta.seg_start_list, meta.seg_len_list, strict=True
+    ):
+        r = rank_list[slot]
+        if r == 0:
+            continue
+        idx = sorted_index[start : start + n]  # [n]
+        xs = x.index_select(0, idx)  # [n, in]
+        for a, b, off in zip(weights.lora_a, weights.lora_b, weights.slice_offsets, strict=True):
+            h = (xs @ a[slot, :r].T).mul_(scale_list[slot])  # [n, r]
+            d = h @ b[slot, :, :r].T  # [n, n_j]
+            y[:, off : off + b.shape[1]].index_add_(0, idx, d)

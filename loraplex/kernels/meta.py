@@ -1,0 +1,196 @@
+"""Per-step LoRA kernel metadata: tokens grouped into one segment per active adapter slot.
+
+Prepared once per engine step, shared by every LoRA layer of that step. All device buffers are
+allocated at construction (sized by ``max_num_tokens`` and ``max_loras``) and refilled in place by
+``prepare`` so their addresses never change (a CUDA graph can capture kernels that read them).
+
+Layout after ``prepare(token_slots)`` with ``token_slots = [1, -1, 0, 1, 0]``::
+
+    sorted_token_indices  [2, 4, 0, 3, 1]   LoRA tokens grouped by slot (stable), base tokens last
+    active_slots          [0, 1, -1, ...]    slot of segment i; -1 beyond num_segments
+    seg_lens              [2, 2, 0, ...]
+    seg_starts            [0, 2, 4, ...]     offset of segment i in sorted_token_indices
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# The padded torch layout [S, max_seg_len] may waste at most this factor of the LoRA token rows
+# (plus a small constant, which is cheaper than a Python loop over segments); beyond it the torch
+# path loops over segments (one huge prefill segment beside tiny decode ones).
+PAD_WASTE_FACTOR = 2
+PAD_SLACK_ROWS = 64
+
+
+@dataclass(frozen=True)
+class TorchPlan:
+    """What the torch LoRA path needs for one step, built once per step (not per layer)."""
+
+    padded: bool  # True: use the [S, L] padded layout; False: loop over segments
+    identity: bool  # every token uses LoRA, already in segment order, equal segment lengths
+    sorted_index: torch.Tensor  # [N] int64 LoRA token rows in segment order
+    pad_index: torch.Tensor  # [S * L] int64 token row of each padded position (pads: a real row)
+    pad_mask: torch.Tensor  # [S, L, 1] float32, 1.0 on real rows, 0.0 on pads
+    active_index: torch.Tensor  # [S] int64 slot id of each segment
+    seg_len: int  # L = the longest segment
+
+
+class LoRAKernelMeta:
+    """Token → adapter-slot grouping for one engine step, in preallocated buffers."""
+
+    def __init__(
+        self, max_num_tokens: int, max_loras: int, device: torch.device | str = "cpu"
+    ) -> None:
+        if max_num_tokens <= 0:
+            raise ValueError(f"max_num_tokens must be positive, got {max_num_tokens}")
+        if max_loras <= 0:
+            raise ValueError(f"max_loras must be positive, got {max_loras}")
+        self.max_num_tokens = max_num_tokens
+        self.max_loras = max_loras
+        self.device = torch.device(device)
+        dev = self.device
+        i32, i64 = torch.int32, torch.int64
+        # --- read by the Triton kernels (int32) ---
+        self.token_slots = torch.full((max_num_tokens,), -1, dtype=i32, device=dev)  # [max_T]
+        self.sorted_token_indices = torch.zeros(max_num_tokens, dtype=i32, device=dev)  # [max_T]
+        self.active_slots = torch.full((max_loras,), -1, dtype=i32, device=dev)  # [max_loras]
+        self.seg_lens = torch.zeros(max_loras, dtype=i32, device=dev)  # [max_loras]
+        self.seg_starts = torch.zeros(max_loras, dtype=i32, device=dev)  # [max_loras]
+        # --- read by the torch path (int64 for indexing ops) ---
+        self._sorted64 = torch.zeros(max_num_tokens, dtype=i64, device=dev)  # [max_T]
+        # sort scratch
+        self._sort_values = torch.zeros(max_num_tokens, dtype=i32, device=dev)  # [max_T]
+        self._sort_order = torch.zeros(max_num_tokens, dtype=i64, device=dev)  # [max_T]
+        self._arange = torch.arange(max_num_tokens, dtype=i64, device=dev)  # [max_T]
+        self._active64 = torch.zeros(max_loras, dtype=i64, device=dev)  # [max_loras]
+        pad_rows = PAD_WASTE_FACTOR * max_num_tokens + PAD_SLACK_ROWS
+        self._pad_index = torch.zeros(pad_rows, dtype=i64, device=dev)  # [pad_rows]
+        self._pad_mask = torch.zeros(pad_rows, dtype=torch.float32, device=dev)
+        self._workspaces: dict[tuple[int, int], torch.Tensor] = {}
+        # --- host-side summary of the step ---
+        self.has_lora = False
+        self.num_tokens = 0
+        self.num_lora_tokens = 0
+        self.num_segments = 0
+        self.max_seg_len = 0
+        self.active_slot_list: list[int] = []
+        self.seg_len_list: list[int] = []
+        self.seg_start_list: list[int] = []
+        self._plan: TorchPlan | None = None
+
+    def prepare(self, token_slots: torch.Tensor) -> None:
+        """Fill the buffers for this step from ``token_slots [T]`` (-1 = base model)."""
+        self.has_lora = False  # until this step is fully prepared
+        self._plan = None
+        if token_slots.dim() != 1:
+            raise ValueError(f"token_slots must be 1-D [T], got shape {tuple(token_slots.shape)}")
+        if token_slots.dtype.is_floating_point or token_slots.dtype == torch.bool:
+            raise ValueError(f"token_slots must be an integer tensor, got {token_slots.dtype}")
+        T = token_slots.numel()
+        if self.max_num_tokens < T:
+            raise ValueError(f"{T} tokens exceed max_num_tokens={self.max_num_tokens}")
+        self.num_tokens = T
+        n_slots = self.max_loras
+        if T == 0:
+            self._set_empty()
+            return
+        slots = self.token_slots[:T]  # [T]
+        slots.copy_(token_slots)
+        # Base tokens get key max_loras so they sort after every segment.
+        key = torch.where(slots < 0, n_slots, slots)  # [T]
+        torch.sort(
+            key, stable=True, out=(self._sort_values[:T], self._sort_order[:T])
+        )  # [T] token order by slot
+        self._sorted64[:T].copy_(self._sort_order[:T])
+        self.sorted_token_indices[:T].copy_(self._sort_order[:T])
+        counts = torch.bincount(key.clamp(0, n_slots), minlength=n_slots + 1)  # [max_loras + 1]
+        # Active slots first (ascending), then the unused ones: a stable sort on "is empty".
+        seg_order = torch.sort((counts[:n_slots] == 0).to(torch.int32), stable=True)[1]
+        seg_lens = counts[:n_slots].index_select(0, seg_order)  # [max_loras]
+        self.seg_lens.copy_(seg_lens)
+        self.active_slots.copy_(torch.where(seg_lens > 0, seg_order, -1))
+        self.seg_starts.copy_(torch.cumsum(seg_lens, 0) - seg_lens)
+        self._active64.copy_(seg_order)
+        # One host sync for the whole step: per-slot counts plus the range of slot ids.
+        host = torch.cat([counts, torch.stack(torch.aminmax(slots)).to(counts.dtype)]).tolist()
+        lo, hi = host[-2], host[-1]
+        if lo < -1 or hi >= n_slots:
+            self._set_empty()
+            raise ValueError(
+                f"token slots must lie in [-1, {n_slots - 1}] (max_loras={n_slots}), "
+                f"got values in [{lo}, {hi}]"
+            )
+        per_slot = host[:n_slots]
+        self.active_slot_list = [s for s, c in enumerate(per_slot) if c > 0]
+        self.seg_len_list = [per_slot[s] for s in self.active_slot_list]
+        starts, acc = [], 0
+        for n in self.seg_len_list:
+            starts.append(acc)
+            acc += n
+        self.seg_start_list = starts
+        self.num_segments = len(self.active_slot_list)
+        self.num_lora_tokens = acc
+        self.max_seg_len = max(self.seg_len_list, default=0)
+        self.has_lora = self.num_segments > 0
+
+    def _set_empty(self) -> None:
+        self.active_slots.fill_(-1)
+        self.seg_lens.zero_()
+        self.seg_starts.zero_()
+        self.has_lora = False
+        self.num_lora_tokens = self.num_segments = self.max_seg_len = 0
+        self.active_slot_list, self.seg_len_list, self.seg_start_list = [], [], []
+
+    def torch_plan(self) -> TorchPlan:
+        """The padded gather layout for the torch path, built on first use in a step."""
+        if not self.has_lora:
+            raise RuntimeError("torch_plan() needs a step with LoRA tokens (check has_lora)")
+        if self._plan is not None:
+            return self._plan
+        S, L, N = self.num_segments, self.max_seg_len, self.num_lora_tokens
+        active = self._active64[:S]  # [S]
+        padded = S * L <= PAD_WASTE_FACTOR * N + PAD_SLACK_ROWS
+        identity = False
+        pad_index = self._pad_index[: S * L]  # [S*L]
+        pad_mask = self._pad_mask[: S * L]  # [S*L]
+        if padded:
+            starts = self.seg_starts[:S].to(torch.int64).unsqueeze(1)  # [S, 1]
+            lens = self.seg_lens[:S].to(torch.int64).unsqueeze(1)  # [S, 1]
+            col = self._arange[:L].unsqueeze(0)  # [1, L]
+            valid = col < lens  # [S, L]
+            pos = torch.where(valid, starts + col, starts)  # [S, L] pads repeat the first row
+            torch.index_select(self._sorted64, 0, pos.view(-1), out=pad_index)
+            pad_mask.copy_(valid.view(-1))
+            identity = (
+                self.num_tokens == N
+                and S * L == N
+                and bool(torch.equal(pad_index, self._arange[:N]))
+            )
+        self._plan = TorchPlan(
+            padded=padded,
+            identity=identity,
+            sorted_index=self._sorted64[:N],
+            pad_index=pad_index,
+            pad_mask=pad_mask.view(S, L, 1) if padded else pad_mask,
+            active_index=active,
+            seg_len=L,
+        )
+        return self._plan
+
+    def workspace(self, num_slices: int, max_rank: int) -> torch.Tensor:
+        """Shrink→expand buffer ``[num_slices, T, max_rank]`` fp32, allocated once per shape.
+
+        Zero-filled at allocation; afterwards every entry holds a finite value written by some
+        earlier step, so the expand (which reads only each slot's own rank) never sees NaN junk.
+        """
+        key = (num_slices, max_rank)
+        buf = self._workspaces.get(key)
+        if buf is None:
+            buf = torch.zeros(
+                num_slices, self.max_num_tokens, max_rank, dtype=torch.float32, device=self.device
+            )  # [num_slices, max_T, R]
+            self._workspaces[key] = buf
+        return buf[:, : self.num_tokens]  # [num_slices, T, R]
