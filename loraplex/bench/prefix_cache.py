@@ -9,6 +9,7 @@ counters must show that only request 2's unshared tokens were computed.
 
 from __future__ import annotations
 
+import gc
 import random
 import statistics
 import time
@@ -64,6 +65,7 @@ def run_prefix_cache_test(
         results[name] = {"median_ttft_s": round(median, 5), "runs": runs}
         log(f"  prefix caching {'on ' if caching else 'off'}: median TTFT {median * 1e3:.1f} ms")
         del llm
+        gc.collect()  # free this instance's KV cache before the next one allocates its own
 
     on, off = results["caching_on"], results["caching_off"]
     results["ttft_ratio_off_over_on"] = (

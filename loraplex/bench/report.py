@@ -74,6 +74,8 @@ def summary_table(result: dict[str, Any]) -> str:
     text = format_table(rows)
     if s.get("speedup") is not None:
         text += f"\n\nloraplex / HF throughput (ratio of medians): {s['speedup']:.2f}x"
+        paired = " ".join(f"{v:.2f}x" for v in s["per_repeat_speedup"])
+        text += f"; per repeat pair: {paired} (median {s['median_paired_speedup']:.2f}x)"
     return text
 
 

@@ -7,6 +7,7 @@ The fp32 matmul peak is measured in the same run so that MFU is a ratio too.
 
 from __future__ import annotations
 
+import gc
 import platform
 import shlex
 import statistics
@@ -171,6 +172,7 @@ def run_throughput(opts: ThroughputOptions, log: Log | None = None) -> dict[str,
             if system == "loraplex":
                 if r > 0 and not _reset_prefix_cache(llm, opts):
                     del llm
+                    gc.collect()
                     llm = fresh_llm()
                 run = run_loraplex(llm, prompts, lens, r)
             elif hf is not None:
@@ -219,6 +221,7 @@ def run_throughput(opts: ThroughputOptions, log: Log | None = None) -> dict[str,
 
         result["greedy_agreement_vs_hf"] = greedy_agreement(lp_last.outputs, hf_last.outputs)
         del hf
+        gc.collect()
 
     out_dir = Path(opts.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -228,6 +231,7 @@ def run_throughput(opts: ThroughputOptions, log: Log | None = None) -> dict[str,
 
         if not _reset_prefix_cache(llm, opts):
             del llm
+            gc.collect()
             llm = fresh_llm()
         n = min(opts.profile_requests, opts.num_requests)
         profile_path = out_dir / f"{stem}-profile.txt"
@@ -236,6 +240,7 @@ def run_throughput(opts: ThroughputOptions, log: Log | None = None) -> dict[str,
         result["profile"] = {"requests": n, "table": str(profile_path)}
     engine_args = opts.engine
     del llm
+    gc.collect()
     if opts.prefix_cache_test:
         from loraplex.bench.prefix_cache import run_prefix_cache_test
 
@@ -329,7 +334,26 @@ def _summarize(
         if lp and hf and hf["median_tokens_per_s"] > 0
         else None
     )
-    return {"peak_gflops": round(peak, 2), "loraplex": lp, "hf": hf, "speedup": speedup}
+    # Repeat r of each system ran back to back, so their ratio cancels slow drift of the machine.
+    paired = (
+        [
+            round(a / b, 3)
+            for a, b in zip(
+                lp["per_repeat_tokens_per_s"], hf["per_repeat_tokens_per_s"], strict=True
+            )
+            if b > 0
+        ]
+        if lp and hf
+        else []
+    )
+    return {
+        "peak_gflops": round(peak, 2),
+        "loraplex": lp,
+        "hf": hf,
+        "speedup": speedup,
+        "per_repeat_speedup": paired,
+        "median_paired_speedup": round(statistics.median(paired), 3) if paired else None,
+    }
 
 
 def _options_json(opts: ThroughputOptions) -> dict[str, Any]:

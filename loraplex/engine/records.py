@@ -36,6 +36,7 @@ class ForkedSample:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    lora_slot: int = -1  # the parent's adapter slot (samples share the adapter)
 
 
 @dataclass
@@ -44,6 +45,7 @@ class SchedulerOutput:
     forks: list[ForkedSample] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before forward
     finished_request_ids: list[str] = field(default_factory=list)  # since the last step: drop state
+    lora_slots: dict[int, str] = field(default_factory=dict)  # device slot -> adapter key, this step
     num_batched_tokens: int = 0
 
     @property

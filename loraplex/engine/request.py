@@ -40,7 +40,7 @@ class Request:
     # Identity of everything besides the tokens that changes the KV: the adapter's content hash
     # and the tenant's cache salt. Part of every prefix-cache block hash.
     cache_extra_keys: tuple[str, ...] = ()
-    lora_slot_key: str | None = None  # adapter content hash, None = base model
+    lora_key: str | None = None  # the adapter's content hash; None = the base model
     parent_id: str | None = None  # set on the samples of an n > 1 request
     arrival_time: float = field(default_factory=time.monotonic)
 
@@ -49,6 +49,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
+    lora_wait_steps: int = 0  # steps skipped because no LoRA slot was free
     status: RequestStatus = RequestStatus.WAITING
     block_hashes: list[bytes] = field(default_factory=list)  # one per full block of all_token_ids
 

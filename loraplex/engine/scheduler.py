@@ -7,6 +7,11 @@ than the remaining budget is split into chunks over several steps (chunked prefi
 pool runs dry, the newest running request is preempted: its blocks are freed and it goes back to
 the front of the waiting queue, to be recomputed later (its generated tokens are kept).
 
+With multi-LoRA, a step uses at most ``max_loras`` adapters (device slots, ``LoRASlots``): a
+waiting request whose adapter has no slot is skipped, not blocking the requests behind it. Once a
+skipped request has waited ``LORA_STARVATION_STEPS`` steps, no further adapter request is admitted
+until it is, so the slots drain and it gets one: a cold adapter is served within a bounded time.
+
 The n samples of one request share the prompt's KV: the first sample (the leader) prefills the
 prompt; in the step that finishes the prompt, the others are forked from it (block tables shared
 by reference) and sample their first token from the leader's last row.
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 
 from loraplex.config import SchedulerConfig
 from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.lora_slots import LoRASlots
 from loraplex.engine.records import (
     EngineCoreOutput,
     ForkedSample,
@@ -27,6 +33,8 @@ from loraplex.engine.records import (
     SchedulerOutput,
 )
 from loraplex.engine.request import Request, RequestStatus
+
+LORA_STARVATION_STEPS = 16
 
 
 @dataclass
@@ -38,9 +46,16 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        max_loras: int = 1,
+    ):
         self.config = config
         self.kv = kv
+        self.slots = LoRASlots(max_loras)
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -126,27 +141,39 @@ class Scheduler:
             break
 
         # 2. Waiting requests, FCFS, unless this step had to preempt (no room to admit anyone).
+        #    An adapter request that cannot get a LoRA slot is skipped and keeps its place.
+        skipped: list[Request] = []
+        starving = any(r.lora_wait_steps >= LORA_STARVATION_STEPS for r in self.waiting)
         while (
             not preempted
             and self.waiting
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
-            req = self.waiting[0]
+            req = self.waiting.popleft()
+            if req.lora_key is not None and (
+                not self.slots.can_acquire(req.lora_key)
+                or (starving and req.lora_wait_steps < LORA_STARVATION_STEPS)
+            ):
+                req.lora_wait_steps += 1
+                skipped.append(req)
+                continue
             hits = self.kv.get_computed_blocks(req)
             num_hit = len(hits) * self.kv.block_size
             num_new = min(req.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, num_new, hits):
+                self.waiting.appendleft(req)
                 break
-            self.waiting.popleft()
             self.kv.record_prefix_query(req.num_tokens, num_hit)
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_hit
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
+            self.slots.acquire(req.lora_key)
             self.running.append(req)
             scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
 
         # 3. Fork the samples of n > 1 requests whose leader finishes its prompt this step.
         for s in scheduled:
@@ -160,6 +187,7 @@ class Scheduler:
             forks=forks,
             blocks_to_copy=self.kv.take_copies(),
             finished_request_ids=finished,
+            lora_slots=self.slots.in_use(),
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
         )
 
@@ -174,6 +202,7 @@ class Scheduler:
             params=req.params,
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
+            lora_slot=self.slots.slot_of(req.lora_key),
         )
 
     def _fork(self, leader: Request) -> list[ForkedSample]:
@@ -186,6 +215,7 @@ class Scheduler:
                 continue
             self.kv.fork(leader.request_id, req.request_id)
             req.status = RequestStatus.RUNNING
+            self.slots.acquire(req.lora_key)
             self.running.append(req)
             forks.append(
                 ForkedSample(
@@ -194,12 +224,14 @@ class Scheduler:
                     params=req.params,
                     prompt_token_ids=req.prompt_token_ids,
                     output_token_ids=req.output_token_ids,
+                    lora_slot=self.slots.slot_of(req.lora_key),
                 )
             )
         return forks
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
+        self.slots.release(req.lora_key)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -256,6 +288,8 @@ class Scheduler:
         return out
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.slots.release(req.lora_key)
         req.status = status
         self.kv.free(req.request_id)
         del self.requests[req.request_id]

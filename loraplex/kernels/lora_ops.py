@@ -5,7 +5,8 @@
 * ``torch`` (default elsewhere): ``add_lora_torch`` below, which skips the per-token workspace.
   Per call it does one gather of the segments' rows into a padded ``[S, L, in]`` block, two
   ``bmm`` per slice against the active slots' weights cut to the largest active rank, and one
-  ``index_add_`` per slice into ``y``'s column slice. When the padded block would waste more than
+  accumulating scatter per slice into ``y``'s column slice (none when the tokens already come
+  grouped in equal segments). When the padded block would waste more than
   about 2× (one long prefill segment beside short ones) it loops over segments instead.
 
 ``LORAPLEX_LORA_BACKEND=torch|triton`` forces a backend; any other value is an error.
@@ -20,13 +21,7 @@ from typing import Literal, get_args
 import torch
 
 from loraplex.kernels.lora_expand import lora_expand
-from loraplex.kernels.lora_shrink import (
-    HAS_TRITON,
-    SUPPORTED_DTYPES,
-    check_meta_args,
-    check_stacks,
-    lora_shrink,
-)
+from loraplex.kernels.lora_shrink import HAS_TRITON, check_stacks, lora_shrink
 from loraplex.kernels.meta import LoRAKernelMeta
 
 LoRABackend = Literal["torch", "triton"]
@@ -49,13 +44,22 @@ class LoRALayerWeights:
                 f"lora_a, lora_b and slice_offsets need one entry per slice, got "
                 f"{len(self.lora_a)}, {len(self.lora_b)}, {len(self.slice_offsets)}"
             )
-        max_loras, max_rank, _ = self.lora_a[0].shape
+        a0 = self.lora_a[0]
+        if a0.dim() != 3:
+            raise ValueError(f"lora_a[0] must be [max_loras, max_rank, in], got {tuple(a0.shape)}")
+        max_loras, max_rank, _ = a0.shape
+        check_stacks("lora_a", self.lora_a, a0.dtype, max_loras)
+        check_stacks("lora_b", self.lora_b, a0.dtype, max_loras)
         for j, (a, b) in enumerate(zip(self.lora_a, self.lora_b, strict=True)):
-            if a.shape != self.lora_a[0].shape or b.shape[0] != max_loras or b.shape[2] != max_rank:
+            if a.shape != a0.shape or b.shape[2] != max_rank:
                 raise ValueError(
                     f"slice {j}: lora_a {tuple(a.shape)} / lora_b {tuple(b.shape)} do not match "
                     f"[{max_loras}, {max_rank}, in] / [{max_loras}, n, {max_rank}]"
                 )
+        if self.ranks.dtype != torch.int32 or tuple(self.ranks.shape) != (max_loras,):
+            raise ValueError(f"ranks must be int32 [{max_loras}], got {self.ranks.dtype}")
+        if self.scales.dtype != torch.float32 or tuple(self.scales.shape) != (max_loras,):
+            raise ValueError(f"scales must be float32 [{max_loras}], got {self.scales.dtype}")
 
     @property
     def max_rank(self) -> int:
@@ -104,21 +108,26 @@ def add_lora(
 def _check_torch_args(
     y: torch.Tensor, x: torch.Tensor, weights: LoRALayerWeights, meta: LoRAKernelMeta
 ) -> None:
-    if x.dim() != 2 or y.dim() != 2 or x.dtype not in SUPPORTED_DTYPES or y.dtype != x.dtype:
+    # The stacks were validated once by LoRALayerWeights; here only what varies per call.
+    a0 = weights.lora_a[0]
+    if x.dim() != 2 or y.dim() != 2 or x.dtype != a0.dtype or y.dtype != a0.dtype:
         raise ValueError(
-            f"x [T, in] and y [T, out] must be 2-D with one fp32/fp16/bf16 dtype, got "
+            f"x [T, in] and y [T, out] must be 2-D {a0.dtype} like the adapter stacks, got "
             f"x {x.dtype} {tuple(x.shape)}, y {y.dtype} {tuple(y.shape)}"
         )
-    check_meta_args(meta, x.shape[0], weights.ranks, x.device)
-    if y.shape[0] != x.shape[0]:
-        raise ValueError(f"y has {y.shape[0]} rows, x has {x.shape[0]}")
-    check_stacks("lora_a", weights.lora_a, x.dtype, meta.max_loras)
-    check_stacks("lora_b", weights.lora_b, x.dtype, meta.max_loras)
-    if weights.lora_a[0].shape[2] != x.shape[1]:
-        raise ValueError(f"lora_a has in_features {weights.lora_a[0].shape[2]}, x {x.shape[1]}")
-    for j, (b, off) in enumerate(zip(weights.lora_b, weights.slice_offsets, strict=True)):
-        if off < 0 or off + b.shape[1] > y.shape[1]:
-            raise ValueError(f"slice {j} does not fit y's {y.shape[1]} columns")
+    if x.shape[0] != meta.num_tokens or y.shape[0] != meta.num_tokens:
+        raise ValueError(
+            f"x has {x.shape[0]} rows, y {y.shape[0]}, meta was prepared for {meta.num_tokens}"
+        )
+    if a0.shape[0] != meta.max_loras or a0.device != x.device:
+        raise ValueError(
+            f"stacks hold {a0.shape[0]} slots on {a0.device}; meta has max_loras="
+            f"{meta.max_loras}, x is on {x.device}"
+        )
+    if a0.shape[2] != x.shape[1]:
+        raise ValueError(f"lora_a has in_features {a0.shape[2]}, x has {x.shape[1]}")
+    if weights.slice_offsets[-1] + weights.lora_b[-1].shape[1] > y.shape[1]:
+        raise ValueError(f"the slices do not fit y's {y.shape[1]} columns")
 
 
 def add_lora_torch(
@@ -140,30 +149,30 @@ def add_lora_torch(
     S, L, K = meta.num_segments, plan.seg_len, x.shape[1]
     lo = slots[0]
     if slots[-1] - lo == S - 1:  # slots lo..lo+S-1 all active: views, no weight copies
-
-        def select(w: torch.Tensor) -> torch.Tensor:
-            return w.narrow(0, lo, S)
-
+        a_sel = [a[lo : lo + S, :r] for a in weights.lora_a]  # [S, r, in] each
+        b_sel = [b[lo : lo + S, :, :r] for b in weights.lora_b]  # [S, n_j, r] each
+        scale = weights.scales[lo : lo + S]  # [S]
     else:
-
-        def select(w: torch.Tensor) -> torch.Tensor:
-            return w.index_select(0, plan.active_index)
-
-    rowscale = plan.pad_mask * select(weights.scales).view(S, 1, 1)  # [S, L, 1], 0 on pads
+        idx = plan.active_index
+        a_sel = [a.index_select(0, idx)[:, :r] for a in weights.lora_a]
+        b_sel = [b.index_select(0, idx)[:, :, :r] for b in weights.lora_b]
+        scale = weights.scales.index_select(0, idx)
+    rowscale = plan.pad_mask * scale.view(S, 1, 1)  # [S, L, 1], 0 on pads
     # identity: tokens already grouped in equal segments, so no gather and no scatter
     xg = (
         x.reshape(S, L, K) if plan.identity else x.index_select(0, plan.pad_index).view(S, L, K)
     )  # [S, L, in]
-    for a, b, off in zip(weights.lora_a, weights.lora_b, weights.slice_offsets, strict=True):
+    for a, b, off in zip(a_sel, b_sel, weights.slice_offsets, strict=True):
         n = b.shape[1]
-        h = torch.bmm(xg, select(a)[:, :r].transpose(1, 2))  # [S, L, r]
-        h.mul_(rowscale)
-        d = torch.bmm(h, select(b)[:, :, :r].transpose(1, 2))  # [S, L, n]
+        h = torch.bmm(xg, a.transpose(1, 2)).mul_(rowscale)  # [S, L, r]
+        d = torch.bmm(h, b.transpose(1, 2))  # [S, L, n]
         cols = y[:, off : off + n]  # [T, n] view
         if plan.identity:
             cols.view(S, L, n).add_(d)
-        else:
+        elif cols.is_contiguous():
             cols.index_add_(0, plan.pad_index, d.view(S * L, n))  # pads add zeros
+        else:  # index_add_ on a column slice falls back to scatter_add: ~10x slower on CPU
+            cols.index_put_((plan.pad_index,), d.view(S * L, n), accumulate=True)
 
 
 def _add_lora_per_segment(

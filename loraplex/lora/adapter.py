@@ -5,9 +5,9 @@ and ``adapter_model.safetensors``. Only ``json`` and ``safetensors`` ever read i
 unpickled. Every check raises :class:`AdapterError` with a ``code`` and a message that says what
 to change, so an upload fails at upload time, never at the first request.
 
-Order of checks: files → config → safetensors header (parsed here, offsets and sizes verified)
-→ tensor names and shapes against the base model → tensor data (finite values). Tensor data is
-handed to ``safetensors`` only after its header passed.
+Order of checks: files → config → safetensors header (parsed and verified by
+:mod:`loraplex.lora.archive` before the ``safetensors`` library sees the file) → tensor names and
+shapes against the base model → tensor values (finite).
 
 Tenant-supplied regular expressions (``target_modules`` as a string, ``rank_pattern`` and
 ``alpha_pattern`` keys, ``layers_pattern``) are evaluated with the ``regex`` module under one
@@ -20,21 +20,28 @@ import hashlib
 import json
 import math
 import shutil
-import struct
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any, Literal
 
 import regex
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as safetensors_load
 
-from loraplex.lora.archive import CONFIG_NAME, AdapterError, extract_archive
+from loraplex.lora.archive import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    AdapterError,
+    TensorInfo,
+    extract_archive,
+    load_safetensors,
+    loads_strict,
+    parse_safetensors_header,
+    read_bounded,
+    short_repr,
+)
 
 __all__ = [
     "CONFIG_NAME",
@@ -47,15 +54,12 @@ __all__ = [
     "load_adapter",
 ]
 
-WEIGHTS_NAME = "adapter_model.safetensors"
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_PARENT = {m: "self_attn" for m in SUPPORTED_MODULES[:4]} | {
-    m: "mlp" for m in SUPPORTED_MODULES[4:]
-}
+_PARENT = dict.fromkeys(SUPPORTED_MODULES[:4], "self_attn") | dict.fromkeys(
+    SUPPORTED_MODULES[4:], "mlp"
+)
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
-_FLOAT_DTYPES = {"F16": (torch.float16, 2), "BF16": (torch.bfloat16, 2), "F32": (torch.float32, 4)}
 _MAX_CONFIG_BYTES = 1 << 20
-_MAX_HEADER_BYTES = 8 << 20
 _MAX_PATTERN_CHARS = 1000
 _PATTERN_BUDGET_S = 1.0
 _HASH_FORMAT = "loraplex-lora-v1"
@@ -149,7 +153,8 @@ class LoRAAdapter:
     ``rank`` is the largest rank of any module (the slot width the engine needs); ``scaling`` is
     the config's default ``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA). With ``rank_pattern`` or
     ``alpha_pattern`` modules differ: always use :meth:`rank_of` and :meth:`scaling_of`.
-    ``size_bytes`` is the memory held by ``weights`` (float32).
+    ``size_bytes`` is the memory held by ``weights`` (float32). Treat ``weights`` and
+    ``scalings`` as read-only (plain dicts so that the record pickles between processes).
     """
 
     name: str
@@ -157,11 +162,11 @@ class LoRAAdapter:
     alpha: float
     scaling: float
     target_modules: tuple[str, ...]
-    weights: Mapping[ModuleKey, tuple[torch.Tensor, torch.Tensor]]  # (A [r, in], B [out, r])
+    weights: dict[ModuleKey, tuple[torch.Tensor, torch.Tensor]]  # (A [r, in], B [out, r])
     content_hash: str
     size_bytes: int
     base_model_name_or_path: str | None
-    scalings: Mapping[ModuleKey, float]
+    scalings: dict[ModuleKey, float]
     use_rslora: bool = False
 
     def rank_of(self, layer: int, module: str) -> int:
@@ -204,7 +209,8 @@ def load_adapter(
     if not source.is_file():
         raise AdapterError(
             "missing_file",
-            f"adapter {source} does not exist; pass a PEFT adapter directory or a .zip/.tar.gz of one",
+            f"adapter {source} does not exist; pass a PEFT adapter directory or a .zip/.tar.gz "
+            f"of one",
         )
     tmp = Path(tempfile.mkdtemp(prefix="loraplex-adapter-"))
     try:
@@ -221,7 +227,7 @@ def _archive_stem(path: Path) -> str:
     return path.stem
 
 
-# --- files and config ------------------------------------------------------------------------
+# --- files and config ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -242,8 +248,8 @@ def _load_dir(
 ) -> LoRAAdapter:
     _check_files(directory)
     cfg = _parse_config(_read_json(directory / CONFIG_NAME), base, max_rank)
-    data = _read_bounded(directory / WEIGHTS_NAME, max_bytes)
-    header = _parse_header(data)
+    data = read_bounded(directory / WEIGHTS_NAME, max_bytes)
+    header = parse_safetensors_header(data)
     pairs = _pair_tensors(header, base, cfg)
     weights = _load_weights(data, header, pairs)
     scalings = {k: cfg.scaling(cfg.ranks[k], cfg.alphas[k]) for k in pairs}
@@ -253,11 +259,11 @@ def _load_dir(
         alpha=cfg.alpha,
         scaling=cfg.scaling(cfg.r, cfg.alpha),
         target_modules=tuple(sorted({m for _, m in pairs})),
-        weights=MappingProxyType(weights),
+        weights=weights,
         content_hash=_content_hash(data, header, pairs, cfg, scalings),
         size_bytes=sum(a.nbytes + b.nbytes for a, b in weights.values()),
         base_model_name_or_path=cfg.base_model_name_or_path,
-        scalings=MappingProxyType(scalings),
+        scalings=scalings,
         use_rslora=cfg.use_rslora,
     )
 
@@ -281,40 +287,15 @@ def _check_files(directory: Path) -> None:
             )
 
 
-def _read_bounded(path: Path, limit: int) -> bytes:
-    with path.open("rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise AdapterError(
-            "too_large",
-            f"{path.name} is larger than {limit} bytes; lower the rank or the number of target "
-            f"modules, or ask the operator to raise the adapter size limit",
-        )
-    return data
-
-
 def _read_json(path: Path) -> dict[str, Any]:
-    text = _read_bounded(path, _MAX_CONFIG_BYTES)
+    text = read_bounded(path, _MAX_CONFIG_BYTES)
     try:
-        raw = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError) as e:
+        raw = loads_strict(text)
+    except ValueError as e:
         raise _bad_config(f"{CONFIG_NAME} is not valid JSON ({e})") from e
     if not isinstance(raw, dict):
         raise _bad_config(f"{CONFIG_NAME} must hold a JSON object")
     return raw
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
-def _no_constant(token: str) -> Any:
-    raise ValueError(f"{token} is not a number")
 
 
 def _bad_config(problem: str) -> AdapterError:
@@ -327,18 +308,20 @@ def _bad_config(problem: str) -> AdapterError:
 def _unsupported_target(names: list[str]) -> AdapterError:
     return AdapterError(
         "unsupported_target",
-        f"LoRA on {', '.join(map(repr, names[:5]))} is not supported; loraplex serves LoRA on "
+        f"LoRA on {', '.join(map(short_repr, names[:5]))} is not supported; loraplex serves "
+        f"LoRA on "
         f"{', '.join(SUPPORTED_MODULES)} only: retrain with target_modules among those",
     )
 
 
 def _parse_config(raw: dict[str, Any], base: BaseModelInfo, max_rank: int) -> _Config:
+    """Validate the config; missing keys take PEFT's defaults (r=8, lora_alpha=8, no rsLoRA)."""
     _check_options(raw)
     r = _positive_int(raw.get("r", 8), "r")
     alpha = _positive_number(raw.get("lora_alpha", 8), "lora_alpha")
     use_rslora = raw.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
-        raise _bad_config(f"use_rslora must be true or false, got {use_rslora!r}")
+        raise _bad_config(f"use_rslora must be true or false, got {short_repr(use_rslora)}")
     matcher = _Matcher()
     targets = _resolve_targets(raw, base, matcher)
     ranks = _apply_pattern(raw, "rank_pattern", targets, base, matcher, r, _positive_int)
@@ -360,7 +343,9 @@ def _parse_config(raw: dict[str, Any], base: BaseModelInfo, max_rank: int) -> _C
 def _check_options(raw: dict[str, Any]) -> None:
     peft_type = raw.get("peft_type")
     if peft_type != "LORA":
-        raise _bad_config(f'peft_type is {peft_type!r}, but only LoRA adapters ("LORA") are served')
+        raise _bad_config(
+            f'peft_type is {short_repr(peft_type)}, but only LoRA adapters ("LORA") are served'
+        )
     if raw.get("use_dora"):
         raise AdapterError(
             "dora_unsupported",
@@ -370,37 +355,40 @@ def _check_options(raw: dict[str, Any]) -> None:
     if raw.get("modules_to_save"):
         raise AdapterError(
             "modules_to_save",
-            f"modules_to_save {raw['modules_to_save']!r} replaces whole base-model modules, which "
+            f"modules_to_save {short_repr(raw['modules_to_save'])} replaces whole base-model "
+            f"modules, which "
             f"loraplex does not serve per adapter; retrain with modules_to_save=None",
         )
     if raw.get("bias", "none") != "none" or raw.get("lora_bias"):
         raise AdapterError(
             "bias_unsupported",
-            f"trained biases (bias={raw.get('bias')!r}, lora_bias={raw.get('lora_bias')!r}) are "
+            f"trained biases (bias={short_repr(raw.get('bias'))}, "
+            f"lora_bias={short_repr(raw.get('lora_bias'))}) are "
             f'not supported; retrain with LoraConfig(bias="none", lora_bias=False)',
         )
     for option, code in _REFUSED_OPTIONS.items():
         if raw.get(option):
             raise AdapterError(
                 code,
-                f"{option}={raw[option]!r} selects a LoRA variant loraplex does not serve; "
+                f"{option}={short_repr(raw[option])} selects a LoRA variant loraplex does not "
+                f"serve; "
                 f"retrain as a plain LoRA adapter without {option}",
             )
 
 
 def _positive_int(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise _bad_config(f"{what} must be a positive integer, got {value!r}")
+        raise _bad_config(f"{what} must be a positive integer, got {short_repr(value)}")
     return value
 
 
 def _positive_number(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise _bad_config(f"{what} must be a positive number, got {value!r}")
+        raise _bad_config(f"{what} must be a positive number, got {short_repr(value)}")
     return float(value)
 
 
-# --- target_modules and the pattern options --------------------------------------------------
+# --- target_modules and the pattern options ------------------------------------------------------
 
 
 class _Matcher:
@@ -415,7 +403,9 @@ class _Matcher:
         try:
             return regex.compile(pattern)
         except (regex.error, RecursionError, OverflowError) as e:
-            raise _bad_config(f"{what} {pattern!r} is not a valid regular expression ({e})") from e
+            raise _bad_config(
+                f"{what} {short_repr(pattern)} is not a valid regular expression ({e})"
+            ) from e
 
     def run(
         self, compiled: regex.Pattern[str], text: str, *, full: bool
@@ -429,7 +419,8 @@ class _Matcher:
             return compiled.match(text, timeout=remaining)
         except TimeoutError as e:
             raise _bad_config(
-                f"the regular expression {compiled.pattern!r} takes too long to evaluate; "
+                f"the regular expression {short_repr(compiled.pattern)} takes too long to "
+                f"evaluate; "
                 f"use a simpler pattern or a list of module names"
             ) from e
 
@@ -445,7 +436,8 @@ def _resolve_targets(raw: dict[str, Any], base: BaseModelInfo, matcher: _Matcher
     if isinstance(spec, list) and spec and all(isinstance(t, str) for t in spec):
         return _list_targets(spec, raw, base, matcher, excluded)
     raise _bad_config(
-        f"target_modules must be a non-empty list of module names or a regex string, got {spec!r}"
+        f"target_modules must be a non-empty list of module names or a regex string, "
+        f"got {short_repr(spec)}"
     )
 
 
@@ -457,7 +449,9 @@ def _exclusion(spec: Any, matcher: _Matcher) -> Callable[[str], bool]:
         return lambda name: matcher.run(compiled, name, full=True) is not None
     if isinstance(spec, list) and all(isinstance(x, str) for x in spec):
         return lambda name: name in spec or any(name.endswith(f".{x}") for x in spec)
-    raise _bad_config(f"exclude_modules must be a list of names or a regex string, got {spec!r}")
+    raise _bad_config(
+        f"exclude_modules must be a list of names or a regex string, got {short_repr(spec)}"
+    )
 
 
 def _regex_targets(
@@ -479,8 +473,8 @@ def _regex_targets(
     }
     if not found:
         raise _bad_config(
-            f"target_modules {spec!r} matches no module of the base model ({base.architecture}); "
-            f"module names look like 'model.layers.0.self_attn.q_proj'"
+            f"target_modules {short_repr(spec)} matches no module of the base model "
+            f"({base.architecture}); module names look like 'model.layers.0.self_attn.q_proj'"
         )
     return found
 
@@ -513,11 +507,15 @@ def _layer_filter(raw: dict[str, Any], matcher: _Matcher) -> Callable[[str], boo
     if isinstance(wanted, int) and not isinstance(wanted, bool):
         wanted = [wanted]
     if not isinstance(wanted, list) or not all(isinstance(i, int) for i in wanted):
-        raise _bad_config(f"layers_to_transform must be an int or a list of ints, got {wanted!r}")
+        raise _bad_config(
+            f"layers_to_transform must be an int or a list of ints, got {short_repr(wanted)}"
+        )
     patterns = raw.get("layers_pattern") or [r"[^.]*"]
     patterns = [patterns] if isinstance(patterns, str) else patterns
     if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
-        raise _bad_config(f"layers_pattern must be a string or a list of strings, got {patterns!r}")
+        raise _bad_config(
+            f"layers_pattern must be a string or a list of strings, got {short_repr(patterns)}"
+        )
     compiled = [
         matcher.compile(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", "layers_pattern") for p in patterns
     ]
@@ -538,14 +536,14 @@ def _apply_pattern(
     base: BaseModelInfo,
     matcher: _Matcher,
     default: Any,
-    check: Any,
+    check: Callable[[Any, str], Any],
 ) -> dict[ModuleKey, Any]:
     """Per-module values from ``rank_pattern`` / ``alpha_pattern``: first matching key wins."""
     spec = raw.get(option) or {}
     if not isinstance(spec, dict):
         raise _bad_config(f"{option} must be an object mapping module patterns to values")
     compiled = [
-        (matcher.compile(rf"(.*\.)?({key})$", option), check(value, f"{option}[{key!r}]"))
+        (matcher.compile(rf"(.*\.)?({key})$", option), check(value, f"{option}[{short_repr(key)}]"))
         for key, value in spec.items()
     ]
     out = {}
@@ -555,98 +553,7 @@ def _apply_pattern(
     return out
 
 
-# --- safetensors ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _TensorInfo:
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int  # absolute byte offsets in the file
-    end: int
-
-
-def _bad_safetensors(problem: str) -> AdapterError:
-    return AdapterError(
-        "bad_safetensors",
-        f"{WEIGHTS_NAME} is not a valid safetensors file: {problem}; re-save the adapter with "
-        f"`model.save_pretrained(dir, safe_serialization=True)`",
-    )
-
-
-def _parse_header(data: bytes) -> dict[str, _TensorInfo]:
-    """Parse and verify the header without trusting it; ``safetensors`` sees only files that pass.
-
-    Layout: ``u64 little-endian N | N bytes of JSON | data``. Tensor byte ranges must tile the
-    data section exactly (no gaps, no overlaps, nothing after), each as long as dtype × shape.
-    """
-    if len(data) < 8:
-        raise _bad_safetensors("the file is shorter than its 8-byte header length")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > _MAX_HEADER_BYTES or 8 + n > len(data):
-        raise _bad_safetensors(
-            f"the header length {n} exceeds the file or the {_MAX_HEADER_BYTES}-byte limit"
-        )
-    try:
-        header = json.loads(
-            data[8 : 8 + n], object_pairs_hook=_unique_keys, parse_constant=_no_constant
-        )
-    except (ValueError, UnicodeDecodeError) as e:
-        raise _bad_safetensors(f"the header is not valid JSON ({e})") from e
-    if not isinstance(header, dict):
-        raise _bad_safetensors("the header is not a JSON object")
-    meta = header.pop("__metadata__", {})
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise _bad_safetensors("__metadata__ must map strings to strings")
-    infos = {name: _tensor_info(name, entry, 8 + n, len(data)) for name, entry in header.items()}
-    _check_tiling(infos, 8 + n, len(data))
-    return infos
-
-
-def _tensor_info(name: str, entry: Any, start: int, stop: int) -> _TensorInfo:
-    """One header entry; offsets are relative to ``start``, the first byte after the header."""
-    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-        raise _bad_safetensors(f"entry {name!r} must have exactly dtype, shape and data_offsets")
-    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype not in _FLOAT_DTYPES:
-        raise AdapterError(
-            "bad_dtype",
-            f"tensor {name!r} has dtype {dtype!r}; LoRA weights must be float16, bfloat16 or "
-            f"float32 (quantized or integer adapters are not served): re-save in one of those",
-        )
-    if not _int_list(shape) or len(shape) > 8 or not _int_list(offsets) or len(offsets) != 2:
-        raise _bad_safetensors(f"entry {name!r} has a malformed shape or data_offsets")
-    begin, end = offsets
-    if not begin <= end <= stop - start:
-        raise _bad_safetensors(
-            f"tensor {name!r} lies outside the file (data_offsets {offsets}, "
-            f"data section {stop - start} bytes)"
-        )
-    needed = math.prod(shape) * _FLOAT_DTYPES[dtype][1]
-    if end - begin != needed:
-        raise _bad_safetensors(
-            f"tensor {name!r} spans {end - begin} bytes but {dtype} {shape} needs {needed}"
-        )
-    return _TensorInfo(dtype, tuple(shape), start + begin, start + end)
-
-
-def _int_list(value: Any) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value
-    )
-
-
-def _check_tiling(infos: dict[str, _TensorInfo], start: int, stop: int) -> None:
-    cursor = start
-    for name, info in sorted(infos.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
-        if info.begin != cursor:
-            raise _bad_safetensors(f"tensor {name!r} overlaps another tensor or leaves a gap")
-        cursor = info.end
-    if cursor != stop:
-        raise _bad_safetensors(f"{stop - cursor} bytes after the last tensor belong to no tensor")
-
-
-# --- tensor names, shapes, values --------------------------------------------------------------
+# --- tensor names, shapes, values ----------------------------------------------------------------
 
 
 def _parse_name(name: str) -> tuple[int, str, str]:
@@ -657,25 +564,25 @@ def _parse_name(name: str) -> tuple[int, str, str]:
     if "lora_magnitude_vector" in name:
         raise AdapterError(
             "dora_unsupported",
-            f"tensor {name!r} is a DoRA magnitude vector; retrain with use_dora=False",
+            f"tensor {short_repr(name)} is a DoRA magnitude vector; retrain with use_dora=False",
         )
     if name.endswith(".bias"):
         raise AdapterError(
             "bias_unsupported",
-            f'tensor {name!r} is a bias; retrain with bias="none" and lora_bias=False',
+            f'tensor {short_repr(name)} is a bias; retrain with bias="none" and lora_bias=False',
         )
     if m is not None or "embed" in name or "lm_head" in name:
         raise _unsupported_target([name])
     raise AdapterError(
         "unexpected_tensor",
-        f"tensor {name!r} is not a PEFT LoRA weight (expected names like "
+        f"tensor {short_repr(name)} is not a PEFT LoRA weight (expected names like "
         f"'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight'); save the adapter "
         f"with PEFT's `save_pretrained`",
     )
 
 
 def _pair_tensors(
-    header: dict[str, _TensorInfo], base: BaseModelInfo, cfg: _Config
+    header: dict[str, TensorInfo], base: BaseModelInfo, cfg: _Config
 ) -> dict[ModuleKey, tuple[str, str]]:
     """(layer, module) -> (A name, B name), with shapes checked against the config and base."""
     found: dict[tuple[int, str, str], str] = {}
@@ -684,7 +591,8 @@ def _pair_tensors(
         if (layer, module, which) in found:
             raise AdapterError(
                 "unexpected_tensor",
-                f"tensors {found[layer, module, which]!r} and {name!r} are the same weight; keep one",
+                f"tensors {short_repr(found[layer, module, which])} and {short_repr(name)} are "
+                f"the same weight; keep one",
             )
         found[layer, module, which] = name
     pairs: dict[ModuleKey, tuple[str, str]] = {}
@@ -693,11 +601,16 @@ def _pair_tensors(
         if a is None or b is None:
             raise AdapterError(
                 "missing_tensor",
-                f"{'lora_A' if a is None else 'lora_B'} of layer {layer} {module} is missing; upload the complete adapter",
+                f"{'lora_A' if a is None else 'lora_B'} of layer {layer} {module} is missing; "
+                f"upload the complete adapter",
             )
         pairs[(layer, module)] = (a, b)
     if not pairs:
-        raise _bad_safetensors("it holds no LoRA weights")
+        raise AdapterError(
+            "bad_safetensors",
+            f"{WEIGHTS_NAME} holds no LoRA weights; save the trained adapter with PEFT's "
+            f"`model.save_pretrained(dir)`",
+        )
     for key, (a, b) in sorted(pairs.items()):
         _check_pair(key, header[a].shape, header[b].shape, base, cfg)
     return pairs
@@ -707,13 +620,13 @@ def _check_pair(
     key: ModuleKey, a: tuple[int, ...], b: tuple[int, ...], base: BaseModelInfo, cfg: _Config
 ) -> None:
     layer, module = key
-    where = base.module_name(key) if layer < base.num_layers else f"layer {layer} {module}"
     if layer >= base.num_layers:
         raise _mismatch(
             f"it has weights for layer {layer}, but the base model has {base.num_layers} layers",
             cfg,
             base,
         )
+    where = base.module_name(key)
     if key not in cfg.ranks:
         raise AdapterError(
             "unexpected_tensor",
@@ -731,7 +644,8 @@ def _check_pair(
     fan_in, fan_out = base.module_shape(module)
     if a[1] != fan_in or b[0] != fan_out:
         raise _mismatch(
-            f"{where} is {fan_in} -> {fan_out} in the base model, but the adapter has {a[1]} -> {b[0]}",
+            f"{where} is {fan_in} -> {fan_out} in the base model, but the adapter has "
+            f"{a[1]} -> {b[0]}",
             cfg,
             base,
         )
@@ -739,7 +653,7 @@ def _check_pair(
 
 def _mismatch(problem: str, cfg: _Config, base: BaseModelInfo) -> AdapterError:
     trained = (
-        f" (its config names {cfg.base_model_name_or_path!r})"
+        f" (its config names {short_repr(cfg.base_model_name_or_path)})"
         if cfg.base_model_name_or_path
         else ""
     )
@@ -751,35 +665,30 @@ def _mismatch(problem: str, cfg: _Config, base: BaseModelInfo) -> AdapterError:
 
 
 def _load_weights(
-    data: bytes, header: dict[str, _TensorInfo], pairs: dict[ModuleKey, tuple[str, str]]
+    data: bytes, header: dict[str, TensorInfo], pairs: dict[ModuleKey, tuple[str, str]]
 ) -> dict[ModuleKey, tuple[torch.Tensor, torch.Tensor]]:
-    try:
-        tensors = safetensors_load(data)
-    except (SafetensorError, ValueError, RuntimeError) as e:
-        raise _bad_safetensors(str(e)) from e
+    tensors = load_safetensors(data, header)
     out = {}
     for key, names in sorted(pairs.items()):
-        a, b = (_as_float32(n, tensors[n], header[n]) for n in names)
+        a, b = (_as_float32(n, tensors[n]) for n in names)
         out[key] = (a, b)
     return out
 
 
-def _as_float32(name: str, tensor: torch.Tensor, info: _TensorInfo) -> torch.Tensor:
-    if tuple(tensor.shape) != info.shape or tensor.dtype != _FLOAT_DTYPES[info.dtype][0]:
-        raise _bad_safetensors(f"tensor {name!r} does not match its header")
+def _as_float32(name: str, tensor: torch.Tensor) -> torch.Tensor:
     out = tensor.to(torch.float32, copy=True).contiguous()
     if not bool(torch.isfinite(out).all()):
         raise AdapterError(
             "nan_weights",
-            f"tensor {name!r} contains NaN or Inf values; the training diverged: retrain (e.g. "
-            f"with a lower learning rate) or fix the checkpoint",
+            f"tensor {short_repr(name)} contains NaN or Inf values; the training diverged: "
+            f"retrain (e.g. with a lower learning rate) or fix the checkpoint",
         )
     return out
 
 
 def _content_hash(
     data: bytes,
-    header: dict[str, _TensorInfo],
+    header: dict[str, TensorInfo],
     pairs: dict[ModuleKey, tuple[str, str]],
     cfg: _Config,
     scalings: dict[ModuleKey, float],

@@ -1,4 +1,5 @@
-"""Safe extraction of uploaded adapter archives (``.zip``, ``.tar.gz`` / ``.tgz``, ``.tar``).
+"""Untrusted containers: adapter archives (``.zip``, ``.tar.gz`` / ``.tgz``, ``.tar``), the
+safetensors file format and JSON, read without trusting any size, offset or name they declare.
 
 Archives come from untrusted tenants. Extraction refuses, before writing the offending member:
 absolute paths, ``..`` components, backslashes and drive letters; symlinks, hardlinks, devices and
@@ -8,22 +9,34 @@ the moment the total passes ``max_bytes`` (a zip bomb writes at most ``max_bytes
 tar, the decompressed stream itself is metered too, so a header bomb (a huge GNU long-name or pax
 record, read by ``tarfile`` into memory) stops at a small fixed budget.
 
-This module also defines :class:`AdapterError`, the one error type of adapter loading.
+A safetensors header is parsed and verified here (offsets inside the file, sizes equal to
+dtype × shape, ranges tiling the data section) before the ``safetensors`` library sees the file.
+
+This module also defines :class:`AdapterError`, the one error type of adapter loading; the LoRA
+meaning of the files is checked in :mod:`loraplex.lora.adapter`.
 """
 
 from __future__ import annotations
 
 import gzip
 import io
+import json
+import math
 import os
 import shutil
 import stat
+import struct
 import tarfile
 import zipfile
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as safetensors_load
 
 AdapterErrorCode = Literal[
     "missing_file",
@@ -49,6 +62,9 @@ AdapterErrorCode = Literal[
 ]
 
 CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+FLOAT_DTYPES = {"F16": (torch.float16, 2), "BF16": (torch.bfloat16, 2), "F32": (torch.float32, 4)}
+_MAX_HEADER_BYTES = 8 << 20
 _CHUNK = 1 << 20
 _MAX_DEPTH = 16
 # Bytes of tar headers (512 per member, long names, pax records, padding) allowed beyond file data.
@@ -71,6 +87,16 @@ class AdapterError(ValueError):
         super().__init__(message)
         self.code: AdapterErrorCode = code
         self.message = message
+
+    def __reduce__(self) -> tuple[type[AdapterError], tuple[AdapterErrorCode, str]]:
+        # Crosses the engine-core process boundary intact.
+        return type(self), (self.code, self.message)
+
+
+def short_repr(value: object, limit: int = 80) -> str:
+    """``repr`` cut to ``limit`` characters: tenant-supplied strings go into messages bounded."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def extract_archive(archive: Path, dest: Path, *, max_bytes: int, max_members: int = 64) -> Path:
@@ -169,7 +195,8 @@ class _Writer:
 def _conflict(parts: tuple[str, ...], err: OSError) -> AdapterError:
     return AdapterError(
         "bad_archive",
-        f"archive member {'/'.join(parts)!r} cannot be written ({err.strerror}: a duplicate name, "
+        f"archive member {short_repr('/'.join(parts))} cannot be written ({err.strerror}: a "
+        f"duplicate name, "
         f"or a file where a directory is expected); pack each file once",
     )
 
@@ -195,7 +222,8 @@ def _member_parts(name: str) -> tuple[str, ...]:
     if unsafe or ".." in parts or not parts or len(parts) > _MAX_DEPTH:
         raise AdapterError(
             "unsafe_archive_member",
-            f"archive member {name!r} has an unsafe path (absolute, '..', backslash or too deep); "
+            f"archive member {short_repr(name)} has an unsafe path (absolute, '..', backslash or "
+            f"too deep); "
             f"pack the adapter with relative paths only, e.g. `zip -r adapter.zip my-adapter/`",
         )
     return parts
@@ -204,7 +232,8 @@ def _member_parts(name: str) -> tuple[str, ...]:
 def _unsafe_type(name: str, what: str) -> AdapterError:
     return AdapterError(
         "unsafe_archive_member",
-        f"archive member {name!r} is a {what}; only regular files and directories are accepted, "
+        f"archive member {short_repr(name)} is a {what}; only regular files and directories are "
+        f"accepted, "
         f"so replace links by the files themselves",
     )
 
@@ -215,11 +244,11 @@ def _extract_zip(archive: Path, writer: _Writer) -> None:
     except (zipfile.BadZipFile, OSError, ValueError) as e:
         raise AdapterError("bad_archive", f"{archive.name} is not a readable zip file ({e})") from e
     with zf:
-        infos = [i for i in zf.infolist() if not i.filename.startswith(_SKIPPED_PREFIXES)]
+        infos = zf.infolist()
         writer.check_count(len(infos))  # the central directory is the full list: fail early
         for info in infos:
-            writer.count_member()
-            _extract_zip_member(zf, info, writer)
+            if not info.filename.startswith(_SKIPPED_PREFIXES):
+                _extract_zip_member(zf, info, writer)
 
 
 def _extract_zip_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, writer: _Writer) -> None:
@@ -233,7 +262,8 @@ def _extract_zip_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, writer: _Wri
         raise _unsafe_type(info.filename, "symlink" if stat.S_ISLNK(mode) else "special file")
     if info.flag_bits & 0x1:
         raise AdapterError(
-            "bad_archive", f"archive member {info.filename!r} is encrypted; upload it unencrypted"
+            "bad_archive",
+            f"archive member {short_repr(info.filename)} is encrypted; upload it unencrypted",
         )
     try:
         with zf.open(info) as src:
@@ -241,7 +271,7 @@ def _extract_zip_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, writer: _Wri
     except (zipfile.BadZipFile, OSError, EOFError, NotImplementedError, zlib.error) as e:
         raise AdapterError(
             "bad_archive",
-            f"archive member {info.filename!r} is corrupt ({e}); re-create the archive",
+            f"archive member {short_repr(info.filename)} is corrupt ({e}); re-create the archive",
         ) from e
 
 
@@ -289,9 +319,9 @@ def _tar_members(tf: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
 
 
 def _extract_tar_member(tf: tarfile.TarFile, member: tarfile.TarInfo, writer: _Writer) -> None:
+    writer.count_member()
     if member.name.startswith(_SKIPPED_PREFIXES):
         return
-    writer.count_member()
     parts = _member_parts(member.name)
     if member.isdir():
         writer.mkdir(parts)
@@ -332,3 +362,151 @@ def _remove_contents(root: Path, *, remove_root: bool) -> None:
             shutil.rmtree(child, ignore_errors=True)
         else:
             child.unlink(missing_ok=True)
+
+
+# --- bounded reads and strict JSON ---------------------------------------------------------------
+
+
+def read_bounded(path: Path, limit: int) -> bytes:
+    with path.open("rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise AdapterError(
+            "too_large",
+            f"{path.name} is larger than {limit} bytes; lower the rank or the number of target "
+            f"modules, or ask the operator to raise the adapter size limit",
+        )
+    return data
+
+
+def loads_strict(text: bytes | str) -> Any:
+    """``json.loads`` refusing duplicate keys and NaN / Infinity; every failure is ValueError."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    except RecursionError as e:
+        raise ValueError("nested too deeply") from e
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {short_repr(key)}")
+        out[key] = value
+    return out
+
+
+def _no_constant(token: str) -> Any:
+    raise ValueError(f"{token} is not a number")
+
+
+# --- safetensors: parsed and verified here, loaded by the library --------------------------------
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offsets in the file
+    end: int
+
+
+def _bad_safetensors(problem: str) -> AdapterError:
+    return AdapterError(
+        "bad_safetensors",
+        f"{WEIGHTS_NAME} is not a valid safetensors file: {problem}; re-save the adapter with "
+        f"`model.save_pretrained(dir, safe_serialization=True)`",
+    )
+
+
+def parse_safetensors_header(data: bytes) -> dict[str, TensorInfo]:
+    """Parse and verify the header without trusting it; ``safetensors`` sees only files that pass.
+
+    Layout: ``u64 little-endian N | N bytes of JSON | data``. Tensor byte ranges must tile the
+    data section exactly (no gaps, no overlaps, nothing after), each as long as dtype × shape.
+    """
+    if len(data) < 8:
+        raise _bad_safetensors("the file is shorter than its 8-byte header length")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > _MAX_HEADER_BYTES or 8 + n > len(data):
+        raise _bad_safetensors(
+            f"the header length {n} exceeds the file or the {_MAX_HEADER_BYTES}-byte limit"
+        )
+    try:
+        header = loads_strict(data[8 : 8 + n])
+    except ValueError as e:
+        raise _bad_safetensors(f"the header is not valid JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise _bad_safetensors("the header is not a JSON object")
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise _bad_safetensors("__metadata__ must map strings to strings")
+    infos = {name: _tensor_info(name, entry, 8 + n, len(data)) for name, entry in header.items()}
+    _check_tiling(infos, 8 + n, len(data))
+    return infos
+
+
+def _tensor_info(name: str, entry: Any, start: int, stop: int) -> TensorInfo:
+    """One header entry; offsets are relative to ``start``, the first byte after the header."""
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise _bad_safetensors(
+            f"entry {short_repr(name)} must have exactly dtype, shape and data_offsets"
+        )
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in FLOAT_DTYPES:
+        raise AdapterError(
+            "bad_dtype",
+            f"tensor {short_repr(name)} has dtype {short_repr(dtype)}; LoRA weights must be "
+            f"float16, bfloat16 or "
+            f"float32 (quantized or integer adapters are not served): re-save in one of those",
+        )
+    if not _int_list(shape) or len(shape) > 8 or not _int_list(offsets) or len(offsets) != 2:
+        raise _bad_safetensors(f"entry {short_repr(name)} has a malformed shape or data_offsets")
+    begin, end = offsets
+    if not begin <= end <= stop - start:
+        raise _bad_safetensors(
+            f"tensor {short_repr(name)} lies outside the file (data_offsets {offsets}, "
+            f"data section {stop - start} bytes)"
+        )
+    needed = math.prod(shape) * FLOAT_DTYPES[dtype][1]
+    if end - begin != needed:
+        raise _bad_safetensors(
+            f"tensor {short_repr(name)} spans {end - begin} bytes, but {dtype} {shape} needs "
+            f"{needed}"
+        )
+    return TensorInfo(dtype, tuple(shape), start + begin, start + end)
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value
+    )
+
+
+def _check_tiling(infos: dict[str, TensorInfo], start: int, stop: int) -> None:
+    cursor = start
+    for name, info in sorted(infos.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if info.begin != cursor:
+            raise _bad_safetensors(
+                f"tensor {short_repr(name)} overlaps another tensor or leaves a gap"
+            )
+        cursor = info.end
+    if cursor != stop:
+        raise _bad_safetensors(f"{stop - cursor} bytes after the last tensor belong to no tensor")
+
+
+def load_safetensors(data: bytes, header: dict[str, TensorInfo]) -> dict[str, torch.Tensor]:
+    """Hand ``data`` (already verified by :func:`parse_safetensors_header`) to ``safetensors``."""
+    try:
+        tensors = safetensors_load(data)
+    except (SafetensorError, ValueError, RuntimeError) as e:
+        raise _bad_safetensors(str(e)) from e
+    for name, info in header.items():
+        tensor = tensors.get(name)
+        if (
+            tensor is None
+            or tuple(tensor.shape) != info.shape
+            or tensor.dtype != FLOAT_DTYPES[info.dtype][0]
+        ):
+            raise _bad_safetensors(f"tensor {short_repr(name)} does not match its header")
+    return tensors

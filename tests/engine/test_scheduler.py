@@ -251,3 +251,63 @@ def test_random_operations_never_leak_blocks() -> None:
         else:
             assert r.output_token_ids == expected[rid][: len(r.output_token_ids)]
     assert time.perf_counter() - start < 10
+
+
+def test_lora_slots_bound_adapters_per_step() -> None:
+    kv = KVCacheManager(200, 4, True)
+    sched = Scheduler(SchedulerConfig(16, 64), kv, 256, max_loras=2)
+    runner = FakeRunner(200, 4)
+    rng = random.Random(5)
+    reqs = []
+    for i in range(24):
+        key = [None, "a", "b", "c", "d"][i % 5]
+        r = Request(
+            f"r{i}",
+            [rng.randrange(1000) for _ in range(8)],
+            SamplingParams(max_tokens=rng.randint(1, 12)),
+            lora_key=key,
+        )
+        sched.add_request(r)
+        reqs.append(r)
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        keys = {sched.requests[s.request_id].lora_key for s in out.requests} - {None}
+        assert len(keys) <= 2
+        slots = {s.lora_slot for s in out.requests if s.lora_slot >= 0}
+        assert slots <= {0, 1}
+        for s in out.requests:
+            key = sched.requests[s.request_id].lora_key
+            assert (s.lora_slot == -1) == (key is None)
+            if key is not None:
+                assert out.lora_slots[s.lora_slot] == key
+        sched.update(out, runner.execute(out))
+    assert all(r.num_output_tokens == r.params.max_tokens for r in reqs)
+    assert sched.slots.in_use() == {}
+
+
+def test_cold_adapter_is_not_starved() -> None:
+    """A steady stream of hot-adapter requests cannot keep a cold adapter out forever."""
+    kv = KVCacheManager(400, 4, True)
+    sched = Scheduler(SchedulerConfig(8, 64), kv, 256, max_loras=1)
+    runner = FakeRunner(400, 4)
+    n = 0
+
+    def add_hot() -> None:
+        nonlocal n
+        sched.add_request(
+            Request(f"hot{n}", [n % 1000, 1, 2], SamplingParams(max_tokens=6), lora_key="hot")
+        )
+        n += 1
+
+    for _ in range(4):
+        add_hot()
+    step(sched, runner)
+    cold = Request("cold", [7, 7, 7], SamplingParams(max_tokens=3), lora_key="cold")
+    sched.add_request(cold)
+    steps = 0
+    while cold.num_output_tokens == 0:
+        add_hot()  # a new hot request arrives every step
+        step(sched, runner)
+        steps += 1
+        assert steps < 16 + 6 + 4, "cold adapter starved"
+    assert cold.lora_wait_steps >= 1

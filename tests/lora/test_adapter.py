@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import shutil
 import struct
 import tarfile
@@ -297,6 +298,11 @@ def _raw_json(text: str) -> Mutation:
     return lambda p: (p / CONFIG_NAME).write_text(text)
 
 
+def _deep_header(p: Path) -> None:
+    blob = b"[" * 100_000 + b"]" * 100_000
+    (p / WEIGHTS_NAME).write_bytes(struct.pack("<Q", len(blob)) + blob)
+
+
 def _raw(header: dict[str, Any], data: bytes, length: int | None = None) -> Mutation:
     return lambda p: write_raw(p, header, data, length)
 
@@ -331,6 +337,7 @@ CASES: dict[str, tuple[Mutation, str, str]] = {
     "bad-json": (_raw_json("{not json"), "bad_config", "not valid JSON"),
     "json-list": (_raw_json("[1]"), "bad_config", "JSON object"),
     "dup-key": (_dup_key, "bad_config", "duplicate key"),
+    "deep-json": (_raw_json("[" * 100_000 + "]" * 100_000), "bad_config", "nested too deeply"),
     "nan-alpha": (_set(lora_alpha=float("nan")), "bad_config", "NaN"),
     "peft-type": (_set(peft_type="IA3"), "bad_config", "peft_type"),
     "r-zero": (_set(r=0), "bad_config", "positive integer"),
@@ -421,6 +428,7 @@ CASES: dict[str, tuple[Mutation, str, str]] = {
     ),
     "huge-header": (_raw(ONE, bytes(2048), length=1 << 62), "bad_safetensors", "header length"),
     "header-not-json": (_raw(ONE, bytes(2048), length=3), "bad_safetensors", "not valid JSON"),
+    "header-deep": (_deep_header, "bad_safetensors", "nested too deeply"),
     "beyond-file": (_raw(ONE, bytes(100)), "bad_safetensors", "outside the file"),
     "lying-size": (
         _raw({A0: {"dtype": "F32", "shape": [8, 64], "data_offsets": [0, 100]}}, bytes(100)),
@@ -500,3 +508,23 @@ def test_all_linear_and_exclude(tmp_path: Path, base: BaseModelInfo, good: Path)
     with pytest.raises(AdapterError) as info:
         load_adapter(tmp_path / "a", base, max_rank=16)
     assert info.value.code == "unexpected_tensor" and "v_proj" in str(info.value)
+
+
+def test_tenant_strings_in_messages_are_bounded(
+    tmp_path: Path, base: BaseModelInfo, good: Path
+) -> None:
+    shutil.copytree(good, tmp_path / "a")
+    edit_config(tmp_path / "a", target_modules=["x" * 100_000])
+    with pytest.raises(AdapterError) as info:
+        load_adapter(tmp_path / "a", base, max_rank=16)
+    assert info.value.code == "unsupported_target" and len(str(info.value)) < 400
+
+
+def test_records_cross_process_boundaries(base: BaseModelInfo, good: Path) -> None:
+    """The engine core is a child process: errors and adapters must survive pickling (trusted IPC)."""
+    err = pickle.loads(pickle.dumps(AdapterError("bad_shape", "fix it")))
+    assert (type(err), err.code, str(err)) == (AdapterError, "bad_shape", "fix it")
+    adapter = load_adapter(good, base, max_rank=16)
+    copy = pickle.loads(pickle.dumps(adapter))
+    assert copy.content_hash == adapter.content_hash and copy.scalings == adapter.scalings
+    assert all(torch.equal(copy.weights[k][1], adapter.weights[k][1]) for k in adapter.weights)
