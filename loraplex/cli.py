@@ -58,6 +58,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.add_parser("serve", help="serve the OpenAI-compatible API (not implemented yet)")
 
+    gen = commands.add_parser(
+        "generate",
+        help="generate text for one or more prompts with the offline engine",
+        description="Run prompts through the engine (batched) and print each completion.",
+    )
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen.add_argument(
+        "--model",
+        default=None,
+        help="local Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gen.add_argument("--max-tokens", type=_positive, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
+
     bench = commands.add_parser("bench", help="benchmarks (results as JSON in bench-results/)")
     benches = bench.add_subparsers(dest="bench", metavar="BENCHMARK", parser_class=_Parser)
     benches.required = True
@@ -175,6 +193,46 @@ def _throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    import time
+
+    from loraplex import SamplingParams
+    from loraplex.llm import LLM
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    start = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype)
+    loaded = time.perf_counter() - start
+    prompts: list[str] = list(args.prompts)
+    if args.chat:
+        tok = llm.get_tokenizer()
+        prompts = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+            )
+            for p in args.prompts
+        ]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = 0
+    for prompt, out in zip(args.prompts, outs, strict=True):
+        completion = out.outputs[0]
+        tokens += len(completion.token_ids)
+        print(f"### {prompt}\n{completion.text}\n[{completion.finish_reason}]\n")
+    print(
+        f"loraplex: model loaded in {loaded:.1f} s; {tokens} tokens in {seconds:.1f} s "
+        f"({tokens / max(seconds, 1e-9):.1f} tokens/s)",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     _fail("`loraplex serve` is not implemented yet", code=2)
 
@@ -199,6 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(args)
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if args.command == "generate":
+            return _generate(args)
         if args.command == "bench" and args.bench == "throughput":
             return _throughput(args)
         raise UsageError(f"unknown command: {' '.join(args_list)}")

@@ -60,6 +60,10 @@ class LLM:
         """KV blocks used/free, prefix-cache queries/hits, preemptions, steps."""
         return self.llm_engine.stats()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached KV block no request holds (benchmarks use it between runs)."""
+        self.llm_engine.core.kv.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -307,10 +307,17 @@ def _summarize(
         rates = [r.tokens_per_s for r in mine]
         gflops = [flops / r.seconds / 1e9 for r in mine]
         median_gflops = statistics.median(gflops)
+        engine = (
+            {
+                "prefix_cache_hit_tokens": [r.engine.get("prefix_cache_hits") for r in mine],
+                "preemptions": [r.engine.get("num_preemptions") for r in mine],
+            }
+            if system == "loraplex"
+            else {}
+        )
         return {
             "requests": mine[0].num_requests,
-            "prefix_cache_hit_tokens": [r.engine.get("prefix_cache_hits") for r in mine],
-            "preemptions": [r.engine.get("num_preemptions") for r in mine],
+            **engine,
             "per_repeat_tokens_per_s": [round(v, 3) for v in rates],
             "median_tokens_per_s": round(statistics.median(rates), 3),
             "per_repeat_gflops": [round(v, 3) for v in gflops],

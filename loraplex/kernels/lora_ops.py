@@ -65,6 +65,15 @@ class LoRALayerWeights:
     def max_rank(self) -> int:
         return int(self.lora_a[0].shape[1])
 
+    def tiles_columns(self, total_out: int) -> bool:
+        """True when the slices cover columns ``[0, total_out)`` in order, without gaps."""
+        end = 0
+        for off, b in zip(self.slice_offsets, self.lora_b, strict=True):
+            if off != end:
+                return False
+            end += b.shape[1]
+        return end == total_out
+
 
 def select_backend(device: torch.device) -> LoRABackend:
     """``LORAPLEX_LORA_BACKEND`` if set, else Triton on CUDA and torch elsewhere."""
@@ -126,8 +135,9 @@ def _check_torch_args(
         )
     if a0.shape[2] != x.shape[1]:
         raise ValueError(f"lora_a has in_features {a0.shape[2]}, x has {x.shape[1]}")
-    if weights.slice_offsets[-1] + weights.lora_b[-1].shape[1] > y.shape[1]:
-        raise ValueError(f"the slices do not fit y's {y.shape[1]} columns")
+    for j, (off, b) in enumerate(zip(weights.slice_offsets, weights.lora_b, strict=True)):
+        if off < 0 or off + b.shape[1] > y.shape[1]:
+            raise ValueError(f"slice {j} does not fit y's {y.shape[1]} columns")
 
 
 def add_lora_torch(
@@ -162,6 +172,11 @@ def add_lora_torch(
     xg = (
         x.reshape(S, L, K) if plan.identity else x.index_select(0, plan.pad_index).view(S, L, K)
     )  # [S, L, in]
+    # Slices that tile y's columns in order (qkv, gate_up, any single slice) are scattered with
+    # one index_add_ of their concatenation: index_add_ on a column slice of y falls back to
+    # scatter_add (~10x slower on CPU), and one call beats one per slice.
+    tiled = y.is_contiguous() and weights.tiles_columns(y.shape[1])
+    deltas: list[torch.Tensor] = []
     for a, b, off in zip(a_sel, b_sel, weights.slice_offsets, strict=True):
         n = b.shape[1]
         h = torch.bmm(xg, a.transpose(1, 2)).mul_(rowscale)  # [S, L, r]
@@ -169,10 +184,13 @@ def add_lora_torch(
         cols = y[:, off : off + n]  # [T, n] view
         if plan.identity:
             cols.view(S, L, n).add_(d)
-        elif cols.is_contiguous():
-            cols.index_add_(0, plan.pad_index, d.view(S * L, n))  # pads add zeros
-        else:  # index_add_ on a column slice falls back to scatter_add: ~10x slower on CPU
+        elif tiled:
+            deltas.append(d)
+        else:  # pads add zeros; accumulate=True sums the duplicate pad rows correctly
             cols.index_put_((plan.pad_index,), d.view(S * L, n), accumulate=True)
+    if deltas:
+        delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=2)  # [S, L, out]
+        y.index_add_(0, plan.pad_index, delta.view(S * L, y.shape[1]))  # pads add zeros
 
 
 def _add_lora_per_segment(

@@ -70,7 +70,7 @@ def check_stacks(
                 f"{name}[{j}] must be [max_loras={max_loras}, ., .], got {tuple(w.shape)}"
             )
         if w.dtype != dtype:
-            raise ValueError(f"{name}[{j}] is {w.dtype} but x is {dtype}")
+            raise ValueError(f"{name}[{j}] is {w.dtype}, expected {dtype}")
         if not w.is_contiguous():
             raise ValueError(f"{name}[{j}] must be contiguous")
 

@@ -18,24 +18,50 @@ from dataclasses import dataclass
 
 import torch
 
-# The padded torch layout [S, max_seg_len] may waste at most this factor of the LoRA token rows
-# (plus a small constant, which is cheaper than a Python loop over segments); beyond it the torch
-# path loops over segments (one huge prefill segment beside tiny decode ones).
+# The torch path batches segments into padded [G, L] blocks (G segments, L = the longest of
+# them). A block may hold at most this factor of its real token rows plus a small constant
+# (cheaper than another round of ops); segments that would waste more (one long prefill beside
+# short decodes) go to another block.
 PAD_WASTE_FACTOR = 2
 PAD_SLACK_ROWS = 64
+
+
+@dataclass(frozen=True)
+class SegmentGroup:
+    """Segments the torch path handles with one batched matmul per slice."""
+
+    slots: tuple[int, ...]  # adapter slot of each segment, ascending
+    slot_index: torch.Tensor  # [G] int64, the same slots on the device
+    seg_len: int  # L, the longest segment of the group
+    pad_index: torch.Tensor  # [G * L] int64 token row per padded position (pads: a real row)
+    pad_mask: torch.Tensor  # [G, L, 1] float32, 1.0 on real rows and 0.0 on pads
+    identity: bool  # pad_index == arange(T): tokens already grouped, nothing to gather/scatter
 
 
 @dataclass(frozen=True)
 class TorchPlan:
     """What the torch LoRA path needs for one step, built once per step (not per layer)."""
 
-    padded: bool  # True: use the [S, L] padded layout; False: loop over segments
-    identity: bool  # every token uses LoRA, already in segment order, equal segment lengths
-    sorted_index: torch.Tensor  # [N] int64 LoRA token rows in segment order
-    pad_index: torch.Tensor  # [S * L] int64 token row of each padded position (pads: a real row)
-    pad_mask: torch.Tensor  # [S, L, 1] float32, 1.0 on real rows, 0.0 on pads
-    active_index: torch.Tensor  # [S] int64 slot id of each segment
-    seg_len: int  # L = the longest segment
+    groups: tuple[SegmentGroup, ...]
+
+
+def group_segments(lens: list[int]) -> list[list[int]]:
+    """Partition segment ids (indices into ``lens``) into padded blocks, longest first.
+
+    Greedy over segments sorted by length: a segment joins the current block while the block's
+    padded size stays within PAD_WASTE_FACTOR × its tokens + PAD_SLACK_ROWS.
+    """
+    groups: list[list[int]] = []
+    tokens = longest = 0
+    for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
+        g = groups[-1] if groups else []
+        if g and (len(g) + 1) * longest <= PAD_WASTE_FACTOR * (tokens + lens[i]) + PAD_SLACK_ROWS:
+            g.append(i)
+            tokens += lens[i]
+        else:
+            groups.append([i])
+            tokens = longest = lens[i]
+    return [sorted(g) for g in groups]
 
 
 class LoRAKernelMeta:
@@ -65,8 +91,8 @@ class LoRAKernelMeta:
         self._sort_values = torch.zeros(max_num_tokens, dtype=i32, device=dev)  # [max_T]
         self._sort_order = torch.zeros(max_num_tokens, dtype=i64, device=dev)  # [max_T]
         self._arange = torch.arange(max_num_tokens, dtype=i64, device=dev)  # [max_T]
-        self._active64 = torch.zeros(max_loras, dtype=i64, device=dev)  # [max_loras]
-        pad_rows = PAD_WASTE_FACTOR * max_num_tokens + PAD_SLACK_ROWS
+        # every block holds at most 2x its tokens + slack, and there is at most one per slot
+        pad_rows = PAD_WASTE_FACTOR * max_num_tokens + PAD_SLACK_ROWS * max_loras
         self._pad_index = torch.zeros(pad_rows, dtype=i64, device=dev)  # [pad_rows]
         self._pad_mask = torch.zeros(pad_rows, dtype=torch.float32, device=dev)
         self._workspaces: dict[tuple[int, int], torch.Tensor] = {}
@@ -113,7 +139,6 @@ class LoRAKernelMeta:
         self.seg_lens.copy_(seg_lens)
         self.active_slots.copy_(torch.where(seg_lens > 0, seg_order, -1))
         self.seg_starts.copy_(torch.cumsum(seg_lens, 0) - seg_lens)
-        self._active64.copy_(seg_order)
         # One host sync for the whole step: per-slot counts plus the range of slot ids.
         host = torch.cat([counts, torch.stack(torch.aminmax(slots)).to(counts.dtype)]).tolist()
         lo, hi = host[-2], host[-1]
@@ -150,34 +175,37 @@ class LoRAKernelMeta:
             raise RuntimeError("torch_plan() needs a step with LoRA tokens (check has_lora)")
         if self._plan is not None:
             return self._plan
-        S, L, N = self.num_segments, self.max_seg_len, self.num_lora_tokens
-        active = self._active64[:S]  # [S]
-        padded = S * L <= PAD_WASTE_FACTOR * N + PAD_SLACK_ROWS
-        identity = False
-        pad_index = self._pad_index[: S * L]  # [S*L]
-        pad_mask = self._pad_mask[: S * L]  # [S*L]
-        if padded:
-            starts = self.seg_starts[:S].to(torch.int64).unsqueeze(1)  # [S, 1]
-            lens = self.seg_lens[:S].to(torch.int64).unsqueeze(1)  # [S, 1]
+        groups, row = [], 0
+        for members in group_segments(self.seg_len_list):
+            G = len(members)
+            L = max(self.seg_len_list[i] for i in members)
+            dev = self.device
+            starts = torch.tensor([self.seg_start_list[i] for i in members], device=dev)  # [G]
+            lens = torch.tensor([self.seg_len_list[i] for i in members], device=dev)  # [G]
             col = self._arange[:L].unsqueeze(0)  # [1, L]
-            valid = col < lens  # [S, L]
-            pos = torch.where(valid, starts + col, starts)  # [S, L] pads repeat the first row
+            valid = col < lens.unsqueeze(1)  # [G, L]
+            pos = torch.where(valid, starts.unsqueeze(1) + col, starts.unsqueeze(1))  # [G, L]
+            pad_index = self._pad_index[row : row + G * L]  # [G*L], pads repeat a segment row
+            pad_mask = self._pad_mask[row : row + G * L]  # [G*L]
+            row += G * L
             torch.index_select(self._sorted64, 0, pos.view(-1), out=pad_index)
             pad_mask.copy_(valid.view(-1))
+            slots = tuple(self.active_slot_list[i] for i in members)
             identity = (
-                self.num_tokens == N
-                and S * L == N
-                and bool(torch.equal(pad_index, self._arange[:N]))
+                G * L == self.num_tokens
+                and bool(torch.equal(pad_index, self._arange[: self.num_tokens]))
+            )  # one group, every token has a slot, equal segments, already in order
+            groups.append(
+                SegmentGroup(
+                    slots=slots,
+                    slot_index=torch.tensor(slots, dtype=torch.int64, device=dev),
+                    seg_len=L,
+                    pad_index=pad_index,
+                    pad_mask=pad_mask.view(G, L, 1),
+                    identity=identity,
+                )
             )
-        self._plan = TorchPlan(
-            padded=padded,
-            identity=identity,
-            sorted_index=self._sorted64[:N],
-            pad_index=pad_index,
-            pad_mask=pad_mask.view(S, L, 1) if padded else pad_mask,
-            active_index=active,
-            seg_len=L,
-        )
+        self._plan = TorchPlan(groups=tuple(groups))
         return self._plan
 
     def workspace(self, num_slices: int, max_rank: int) -> torch.Tensor:

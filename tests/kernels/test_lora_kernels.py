@@ -298,4 +298,18 @@ def test_layer_weights_validate_shapes() -> None:
     with pytest.raises(ValueError, match="one entry per slice"):
         LoRALayerWeights(w.lora_a, w.lora_b, (0,), w.ranks, w.scales)
     with pytest.raises(ValueError, match="slice 1"):
-        LoRALayerWeights(w.lora_a, (w.lora_b[0], w.lora_b[1][:, :, :4]), (0, 16), w.ranks, w.scales)
+        LoRALayerWeights(w.lora_a, (w.lora_b[0], w.lora_b[1][:, :, :4].contiguous()), (0, 16), w.ranks, w.scales)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_add_lora_torch_slices_with_gaps(grouped: bool) -> None:
+    """Slices that do not tile y (a gap, spare columns) take the per-slice scatter."""
+    slots = [0, 0, 1, 1, 2, 2] if grouped else [2, -1, 0, 1, 0, 2, 1]
+    case = make_case(slots, [4, 8, 16], 16, 40, [24, 16])
+    w = case.weights
+    case.weights = LoRALayerWeights(w.lora_a, w.lora_b, (8, 40), w.ranks, w.scales)
+    case.y0 = torch.randn(len(slots), 64)
+    assert case.meta.torch_plan().identity == grouped
+    y = case.y0.clone()
+    add_lora_torch(y, case.x, case.weights, case.meta)
+    torch.testing.assert_close(y, naive_add_lora(case))

@@ -55,11 +55,11 @@ def make_peft(out: Path, arch: str = "llama", seed: int = 0, **lora: Any) -> Pef
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32)
     peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **lora))
-    peft_model.save_pretrained(out)
+    peft_model.save_pretrained(str(out))
     return peft_model
 
 
-def lora_layer(peft_model: PeftModel, layer: int, module: str) -> Any:
+def lora_layer(peft_model: Any, layer: int, module: str) -> Any:
     block = peft_model.base_model.model.model.layers[layer]
     return getattr(block.self_attn if module in ALL[:4] else block.mlp, module)
 
@@ -274,7 +274,7 @@ def f32(shape: list[int], begin: int) -> dict[str, Any]:
     return {"dtype": "F32", "shape": shape, "data_offsets": [begin, begin + 4 * math.prod(shape)]}
 
 
-Mutation = Callable[[Path], None]
+Mutation = Callable[[Path], object]
 
 
 def _set(**changes: Any) -> Mutation:
