@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from loraplex.lora.request import LoRARequest
 from loraplex.outputs import CompletionOutput, RequestOutput
 from loraplex.sampling_params import SamplingParams
 
@@ -22,4 +23,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'loraplex' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "LoRARequest",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]

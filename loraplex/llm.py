@@ -6,8 +6,16 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from loraplex.config import CacheConfig, DType, EngineConfig, ModelConfig, SchedulerConfig
+from loraplex.config import (
+    CacheConfig,
+    DType,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from loraplex.engine.llm_engine import LLMEngine, Prompt
+from loraplex.lora.request import LoRARequest
 from loraplex.outputs import RequestOutput
 from loraplex.sampling_params import SamplingParams
 
@@ -34,6 +42,9 @@ class LLM:
         max_num_batched_tokens: int = 512,
         max_model_len: int | None = None,
         seed: int = 0,
+        max_loras: int = 4,
+        max_cpu_loras: int = 16,
+        max_lora_rank: int = 64,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
@@ -49,9 +60,27 @@ class LLM:
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
             ),
+            lora=LoRAConfig(
+                max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank
+            ),
         )
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
+        self._lora_keys: dict[LoRARequest, str] = {}
+
+    def add_lora(self, lora_request: LoRARequest) -> str:
+        """Load (or reload) an adapter from its path; returns its content hash.
+
+        ``AdapterError`` (a ``ValueError``) says what is wrong with a bad adapter.
+        """
+        key = self.llm_engine.add_lora(lora_request.lora_name, lora_request.lora_path)
+        self._lora_keys[lora_request] = key
+        return key
+
+    def remove_lora(self, lora_request: LoRARequest) -> None:
+        key = self._lora_keys.pop(lora_request, None)
+        if key is not None and key not in self._lora_keys.values():
+            self.llm_engine.remove_lora(key)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
@@ -69,12 +98,15 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in prompt order.
 
         A prompt is a string or a list of token ids. ``sampling_params`` is one for all prompts
-        or a list with one per prompt. Every prompt is validated before any is run.
+        or a list with one per prompt. ``lora_request`` is one adapter for all prompts, or a list
+        with one entry per prompt (``None`` = the base model). Every prompt and adapter is
+        validated before any request runs.
         """
         engine = self.llm_engine
         items = _as_prompt_list(prompts)
@@ -89,6 +121,19 @@ class LLM:
                     f"sampling_params has {len(params)} entries for {len(items)} prompts; "
                     "give one SamplingParams, or one per prompt"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: list[LoRARequest | None] = [lora_request] * len(items)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(items):
+                raise ValueError(
+                    f"lora_request has {len(loras)} entries for {len(items)} prompts; "
+                    "give one LoRARequest, or one entry (or None) per prompt"
+                )
+        for lora in loras:
+            if lora is not None and lora not in self._lora_keys:
+                self.add_lora(lora)
+        keys = [None if lora is None else self._lora_keys[lora] for lora in loras]
         tokenized = []
         for i, prompt in enumerate(items):
             try:
@@ -99,9 +144,11 @@ class LLM:
             tokenized.append(ids)
 
         request_ids = [f"gen-{next(self._counter)}" for _ in items]
-        for rid, prompt, ids, p in zip(request_ids, items, tokenized, params, strict=False):
+        for rid, prompt, ids, p, key in zip(
+            request_ids, items, tokenized, params, keys, strict=True
+        ):
             text = prompt if isinstance(prompt, str) else None
-            engine.add_tokenized_request(rid, text, ids, p)
+            engine.add_tokenized_request(rid, text, ids, p, lora_key=key)
         return self._run(request_ids, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -11,6 +11,7 @@ from loraplex.engine.records import EngineCoreOutput
 from loraplex.engine.request import Request
 from loraplex.engine.runner import ModelRunner
 from loraplex.engine.scheduler import Scheduler
+from loraplex.lora.adapter import LoRAAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -18,7 +19,9 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig, model_dir: str):
         self.config = config
-        self.runner = ModelRunner(config.model, config.cache, config.scheduler, model_dir)
+        self.runner = ModelRunner(
+            config.model, config.cache, config.scheduler, model_dir, lora_config=config.lora
+        )
         spec = self.runner.spec
         num_blocks = self.runner.init_kv_cache()
         block_size = config.cache.block_size
@@ -36,7 +39,30 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.vocab_size = spec.vocab_size
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv, max_model_len, max_loras=config.lora.max_loras
+        )
+
+    # ---- adapters --------------------------------------------------------------------------
+
+    def add_lora(self, name: str, path: str, pinned: bool = False) -> LoRAAdapter:
+        """Load and validate an adapter (``AdapterError`` when bad); returns it (key: its hash)."""
+        assert self.runner.lora is not None
+        return self.runner.lora.add_adapter(path, name, pinned=pinned)
+
+    def remove_lora(self, key: str) -> None:
+        """Forget an adapter. Refused while requests still use it."""
+        users = [r.request_id for r in self.scheduler.requests.values() if r.lora_key == key]
+        if users:
+            raise ValueError(
+                f"adapter {key[:12]} is in use by {len(users)} request(s); wait for them to "
+                "finish or abort them, then remove it"
+            )
+        assert self.runner.lora is not None
+        self.runner.lora.remove_adapter(key)
+
+    def has_lora(self, key: str) -> bool:
+        return self.runner.lora is not None and self.runner.lora.has_adapter(key)
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add_request(req)
@@ -73,4 +99,21 @@ class EngineCore:
             "num_prompt_tokens_computed": sched.stats.num_prompt_tokens_computed,
             "num_generated_tokens": sched.stats.num_generated_tokens,
             "max_model_len": self.max_model_len,
+            **self._lora_stats(),
+        }
+
+    def _lora_stats(self) -> dict[str, Any]:
+        lora = self.runner.lora
+        if lora is None:
+            return {}
+        residency = lora.residency()
+        return {
+            "lora_disk_loads": lora.stats.disk_loads,
+            "lora_host_hits": lora.stats.host_hits,
+            "lora_host_evictions": lora.stats.host_evictions,
+            "lora_slot_loads": lora.stats.slot_loads,
+            "lora_slot_hits": lora.stats.slot_hits,
+            "lora_resident_device": residency["device"],
+            "lora_resident_host": residency["host"],
+            "lora_registered": residency["disk"],
         }

@@ -84,6 +84,7 @@ class LLMEngine:
         params: SamplingParams,
         *,
         cache_extra_keys: tuple[str, ...] = (),
+        lora_key: str | None = None,
         detokenize: bool = True,
     ) -> None:
         token_ids = self.tokenize(prompt)
@@ -94,6 +95,7 @@ class LLMEngine:
             token_ids,
             params,
             cache_extra_keys=cache_extra_keys,
+            lora_key=lora_key,
             detokenize=detokenize,
         )
 
@@ -105,8 +107,15 @@ class LLMEngine:
         params: SamplingParams,
         *,
         cache_extra_keys: tuple[str, ...] = (),
+        lora_key: str | None = None,
         detokenize: bool = True,
     ) -> None:
+        """Queue a validated prompt. ``lora_key`` is an added adapter's content hash; it joins
+        the prefix-cache extra keys, so adapters (and the base model) never share KV."""
+        if lora_key is not None:
+            if not self.core.has_lora(lora_key):
+                raise ValueError(f"adapter {lora_key[:12]} is not loaded; add it first")
+            cache_extra_keys = (f"lora:{lora_key}", *cache_extra_keys)
         if self.processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.processor.add_request(request_id, prompt, token_ids, params, detokenize)
@@ -118,9 +127,17 @@ class LLMEngine:
                     params.for_child(i) if params.n > 1 else params,
                     eos_token_ids=self.eos_token_ids,
                     cache_extra_keys=cache_extra_keys,
+                    lora_key=lora_key,
                     parent_id=ids[0] if i else None,
                 )
             )
+
+    def add_lora(self, name: str, path: str, pinned: bool = False) -> str:
+        """Load and validate an adapter; returns its content hash (its key in the engine)."""
+        return self.core.add_lora(name, path, pinned=pinned).content_hash
+
+    def remove_lora(self, key: str) -> None:
+        self.core.remove_lora(key)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         self.core.abort_requests(self.processor.unfinished_sample_ids(request_id))

@@ -43,9 +43,13 @@ class ForkedSample:
 class SchedulerOutput:
     requests: list[ScheduledRequest]
     forks: list[ForkedSample] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before forward
+    blocks_to_copy: list[tuple[int, int]] = field(
+        default_factory=list
+    )  # (src, dst), before forward
     finished_request_ids: list[str] = field(default_factory=list)  # since the last step: drop state
-    lora_slots: dict[int, str] = field(default_factory=dict)  # device slot -> adapter key, this step
+    lora_slots: dict[int, str] = field(
+        default_factory=dict
+    )  # device slot -> adapter key, this step
     num_batched_tokens: int = 0
 
     @property

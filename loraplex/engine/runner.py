@@ -7,11 +7,12 @@ per-token Python), one forward pass, logits for the sampling rows only, the samp
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
 import torch
 
-from loraplex.config import CacheConfig, ModelConfig, SchedulerConfig
+from loraplex.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from loraplex.engine.attention import BatchLayout, TorchPagedAttention
 from loraplex.engine.models.llama import LlamaForCausalLM
 from loraplex.engine.models.loader import (
@@ -36,6 +37,7 @@ class ModelRunner:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         model_dir: str,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
@@ -58,6 +60,17 @@ class ModelRunner:
         self.attn = TorchPagedAttention(self.device, dtype)
         self.sampler = Sampler(self._spec.vocab_size, self.device)
         self.kv_cache: torch.Tensor | None = None  # [layers, 2, num_blocks, block_size, H_kv, Dh]
+        self.lora: LoRAManager | None = None
+        if lora_config is not None:
+            from loraplex.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(
+                self.model,
+                self.hf_config,
+                lora_config,
+                scheduler_config.max_num_batched_tokens,
+                self.device,
+            )
         self.num_blocks = 0
 
     @property
@@ -143,6 +156,16 @@ class ModelRunner:
         layout = BatchLayout(qlens, starts, table, slot_t, bs)
         return ids_t, pos_t, layout
 
+    def _lora_step(self, out: SchedulerOutput, layout: BatchLayout) -> AbstractContextManager[None]:
+        """Slot weights and token -> slot metadata for this step; nothing when no token needs it."""
+        slots = np.fromiter((r.lora_slot for r in out.requests), dtype=np.int64)  # [B]
+        if self.lora is None or not (slots >= 0).any():
+            return nullcontext()
+        self.lora.activate(out.lora_slots)
+        token_slots = torch.from_numpy(np.repeat(slots, layout.query_lens))  # [T]
+        self.lora.meta.prepare(token_slots.to(self.device))
+        return self.lora.step.active(self.lora.meta)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         if out.finished_request_ids:
@@ -155,7 +178,8 @@ class ModelRunner:
 
         input_ids, positions, layout = self._layout(out)
         metadata = self.attn.build_metadata(layout)
-        hidden = self.model(input_ids, positions, metadata)  # [T, hidden]
+        with self._lora_step(out, layout):
+            hidden = self.model(input_ids, positions, metadata)  # [T, hidden]
 
         last_row = np.cumsum(layout.query_lens) - 1  # [B]
         row_of: dict[str, int] = {}

@@ -3,11 +3,11 @@
 * ``triton`` (default on CUDA): ``lora_shrink`` into a per-step fp32 workspace, then
   ``lora_expand`` into ``y``.
 * ``torch`` (default elsewhere): ``add_lora_torch`` below, which skips the per-token workspace.
-  Per call it does one gather of the segments' rows into a padded ``[S, L, in]`` block, two
-  ``bmm`` per slice against the active slots' weights cut to the largest active rank, and one
-  accumulating scatter per slice into ``y``'s column slice (none when the tokens already come
-  grouped in equal segments). When the padded block would waste more than
-  about 2× (one long prefill segment beside short ones) it loops over segments instead.
+  The step's segments come in a few padded groups (usually one; a long prefill segment beside
+  short decode ones gets its own, so padding never wastes more than ~2×). Per group and call:
+  one gather of the rows into ``[G, L, in]``, two ``bmm`` per slice against the group's slots'
+  weights cut to its largest rank, and one ``index_add_`` back into ``y`` (neither gather nor
+  scatter when the group's rows are already a slice of the batch, e.g. a prefill chunk).
 
 ``LORAPLEX_LORA_BACKEND=torch|triton`` forces a backend; any other value is an error.
 """
@@ -22,7 +22,7 @@ import torch
 
 from loraplex.kernels.lora_expand import lora_expand
 from loraplex.kernels.lora_shrink import HAS_TRITON, check_stacks, lora_shrink
-from loraplex.kernels.meta import LoRAKernelMeta
+from loraplex.kernels.meta import LoRAKernelMeta, SegmentGroup
 
 LoRABackend = Literal["torch", "triton"]
 BACKEND_ENV = "LORAPLEX_LORA_BACKEND"
@@ -143,74 +143,59 @@ def _check_torch_args(
 def add_lora_torch(
     y: torch.Tensor, x: torch.Tensor, weights: LoRALayerWeights, meta: LoRAKernelMeta
 ) -> None:
-    """The torch backend of ``add_lora`` (see module doc); exact per slot rank in the loop path."""
+    """The torch backend of ``add_lora``: one padded, batched pass per segment group."""
     _check_torch_args(y, x, weights, meta)
     if not meta.has_lora:
         return
-    plan = meta.torch_plan()
     rank_list: list[int] = weights.ranks.tolist()
-    slots = meta.active_slot_list
-    if not plan.padded:
-        _add_lora_per_segment(y, x, weights, meta, plan.sorted_index, rank_list)
-        return
-    r = max(rank_list[s] for s in slots)  # largest active rank, not max_rank
-    if r == 0:
-        return
-    S, L, K = meta.num_segments, plan.seg_len, x.shape[1]
-    lo = slots[0]
-    if slots[-1] - lo == S - 1:  # slots lo..lo+S-1 all active: views, no weight copies
-        a_sel = [a[lo : lo + S, :r] for a in weights.lora_a]  # [S, r, in] each
-        b_sel = [b[lo : lo + S, :, :r] for b in weights.lora_b]  # [S, n_j, r] each
-        scale = weights.scales[lo : lo + S]  # [S]
-    else:
-        idx = plan.active_index
-        a_sel = [a.index_select(0, idx)[:, :r] for a in weights.lora_a]
-        b_sel = [b.index_select(0, idx)[:, :, :r] for b in weights.lora_b]
-        scale = weights.scales.index_select(0, idx)
-    rowscale = plan.pad_mask * scale.view(S, 1, 1)  # [S, L, 1], 0 on pads
-    # identity: tokens already grouped in equal segments, so no gather and no scatter
-    xg = (
-        x.reshape(S, L, K) if plan.identity else x.index_select(0, plan.pad_index).view(S, L, K)
-    )  # [S, L, in]
     # Slices that tile y's columns in order (qkv, gate_up, any single slice) are scattered with
     # one index_add_ of their concatenation: index_add_ on a column slice of y falls back to
     # scatter_add (~10x slower on CPU), and one call beats one per slice.
     tiled = y.is_contiguous() and weights.tiles_columns(y.shape[1])
-    deltas: list[torch.Tensor] = []
-    for a, b, off in zip(a_sel, b_sel, weights.slice_offsets, strict=True):
-        n = b.shape[1]
-        h = torch.bmm(xg, a.transpose(1, 2)).mul_(rowscale)  # [S, L, r]
-        d = torch.bmm(h, b.transpose(1, 2))  # [S, L, n]
-        cols = y[:, off : off + n]  # [T, n] view
-        if plan.identity:
-            cols.view(S, L, n).add_(d)
-        elif tiled:
-            deltas.append(d)
-        else:  # pads add zeros; accumulate=True sums the duplicate pad rows correctly
-            cols.index_put_((plan.pad_index,), d.view(S * L, n), accumulate=True)
-    if deltas:
-        delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=2)  # [S, L, out]
-        y.index_add_(0, plan.pad_index, delta.view(S * L, y.shape[1]))  # pads add zeros
+    for group in meta.torch_plan().groups:
+        r = max(rank_list[s] for s in group.slots)  # the group's largest rank, not max_rank
+        if r > 0:
+            _add_group(y, x, weights, group, r, tiled)
 
 
-def _add_lora_per_segment(
+def _add_group(
     y: torch.Tensor,
     x: torch.Tensor,
     weights: LoRALayerWeights,
-    meta: LoRAKernelMeta,
-    sorted_index: torch.Tensor,
-    rank_list: list[int],
+    group: SegmentGroup,
+    r: int,
+    tiled: bool,
 ) -> None:
-    scale_list: list[float] = weights.scales.tolist()
-    for slot, start, n in zip(
-        meta.active_slot_list, meta.seg_start_list, meta.seg_len_list, strict=True
-    ):
-        r = rank_list[slot]
-        if r == 0:
-            continue
-        idx = sorted_index[start : start + n]  # [n]
-        xs = x.index_select(0, idx)  # [n, in]
-        for a, b, off in zip(weights.lora_a, weights.lora_b, weights.slice_offsets, strict=True):
-            h = (xs @ a[slot, :r].T).mul_(scale_list[slot])  # [n, r]
-            d = h @ b[slot, :, :r].T  # [n, n_j]
-            y[:, off : off + b.shape[1]].index_add_(0, idx, d)
+    G, L, K = len(group.slots), group.seg_len, x.shape[1]
+    lo = group.slots[0]
+    if group.slots[-1] - lo == G - 1:  # slots lo..lo+G-1: views, no weight copies
+        a_sel = [a[lo : lo + G, :r] for a in weights.lora_a]  # [G, r, in] each
+        b_sel = [b[lo : lo + G, :, :r] for b in weights.lora_b]  # [G, n_j, r] each
+        scale = weights.scales[lo : lo + G]  # [G]
+    else:
+        idx = group.slot_index
+        a_sel = [a.index_select(0, idx)[:, :r] for a in weights.lora_a]
+        b_sel = [b.index_select(0, idx)[:, :, :r] for b in weights.lora_b]
+        scale = weights.scales.index_select(0, idx)
+    rowscale = group.pad_mask * scale.view(G, 1, 1)  # [G, L, 1], 0 on pads
+    rows = G * L
+    rs = group.row_start
+    if rs is None:
+        xg = x.index_select(0, group.pad_index).view(G, L, K)  # [G, L, in]
+    else:
+        xg = x[rs : rs + rows].reshape(G, L, K)  # [G, L, in]
+    deltas: list[torch.Tensor] = []
+    for a, b, off in zip(a_sel, b_sel, weights.slice_offsets, strict=True):
+        n = b.shape[1]
+        h = torch.bmm(xg, a.transpose(1, 2)).mul_(rowscale)  # [G, L, r]
+        d = torch.bmm(h, b.transpose(1, 2))  # [G, L, n]
+        cols = y[:, off : off + n]  # [T, n] view
+        if rs is not None:
+            cols[rs : rs + rows].view(G, L, n).add_(d)
+        elif tiled:
+            deltas.append(d)
+        else:  # pads add zeros; accumulate=True sums the duplicate pad rows correctly
+            cols.index_put_((group.pad_index,), d.view(rows, n), accumulate=True)
+    if deltas:
+        delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=2)  # [G, L, out]
+        y.index_add_(0, group.pad_index, delta.view(rows, y.shape[1]))  # pads add zeros

@@ -19,11 +19,9 @@ from dataclasses import dataclass
 import torch
 
 # The torch path batches segments into padded [G, L] blocks (G segments, L = the longest of
-# them). A block may hold at most this factor of its real token rows plus a small constant
-# (cheaper than another round of ops); segments that would waste more (one long prefill beside
-# short decodes) go to another block.
-PAD_WASTE_FACTOR = 2
-PAD_SLACK_ROWS = 64
+# them). One more block costs ~15 more torch ops, about as much as this many padded rows of
+# gather + matmul at decode-sized shapes; the step's blocks minimise padded rows + this cost.
+GROUP_COST_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,7 @@ class SegmentGroup:
     seg_len: int  # L, the longest segment of the group
     pad_index: torch.Tensor  # [G * L] int64 token row per padded position (pads: a real row)
     pad_mask: torch.Tensor  # [G, L, 1] float32, 1.0 on real rows and 0.0 on pads
-    identity: bool  # pad_index == arange(T): tokens already grouped, nothing to gather/scatter
+    row_start: int | None  # pad_index == row_start + arange(G * L): rows are a slice of the batch
 
 
 @dataclass(frozen=True)
@@ -46,22 +44,26 @@ class TorchPlan:
 
 
 def group_segments(lens: list[int]) -> list[list[int]]:
-    """Partition segment ids (indices into ``lens``) into padded blocks, longest first.
+    """Partition segment ids (indices into ``lens``) into padded blocks of least cost.
 
-    Greedy over segments sorted by length: a segment joins the current block while the block's
-    padded size stays within PAD_WASTE_FACTOR × its tokens + PAD_SLACK_ROWS.
+    Cost of a block: its padded rows (segments × longest) + GROUP_COST_ROWS. With segments sorted
+    by length the best blocks are runs of that order, found by an O(S²) dynamic program (S is at
+    most max_loras). Decode steps give one block; a long prefill beside short decodes gets its
+    own. The total padded rows never exceed sum(lens) + GROUP_COST_ROWS × len(lens).
     """
+    order = sorted(range(len(lens)), key=lambda i: lens[i])
+    S = len(order)
+    best = [0] * (S + 1)  # best[j]: least cost of the j shortest segments
+    cut = [0] * (S + 1)  # the last block of that solution starts at order[cut[j]]
+    for j in range(1, S + 1):
+        longest = lens[order[j - 1]]
+        best[j], cut[j] = min((best[i] + (j - i) * longest + GROUP_COST_ROWS, i) for i in range(j))
     groups: list[list[int]] = []
-    tokens = longest = 0
-    for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
-        g = groups[-1] if groups else []
-        if g and (len(g) + 1) * longest <= PAD_WASTE_FACTOR * (tokens + lens[i]) + PAD_SLACK_ROWS:
-            g.append(i)
-            tokens += lens[i]
-        else:
-            groups.append([i])
-            tokens = longest = lens[i]
-    return [sorted(g) for g in groups]
+    j = S
+    while j > 0:
+        groups.append(sorted(order[cut[j] : j]))  # segment ids ascend with slot ids
+        j = cut[j]
+    return groups[::-1]
 
 
 class LoRAKernelMeta:
@@ -91,8 +93,7 @@ class LoRAKernelMeta:
         self._sort_values = torch.zeros(max_num_tokens, dtype=i32, device=dev)  # [max_T]
         self._sort_order = torch.zeros(max_num_tokens, dtype=i64, device=dev)  # [max_T]
         self._arange = torch.arange(max_num_tokens, dtype=i64, device=dev)  # [max_T]
-        # every block holds at most 2x its tokens + slack, and there is at most one per slot
-        pad_rows = PAD_WASTE_FACTOR * max_num_tokens + PAD_SLACK_ROWS * max_loras
+        pad_rows = max_num_tokens + GROUP_COST_ROWS * max_loras  # bound: see group_segments
         self._pad_index = torch.zeros(pad_rows, dtype=i64, device=dev)  # [pad_rows]
         self._pad_mask = torch.zeros(pad_rows, dtype=torch.float32, device=dev)
         self._workspaces: dict[tuple[int, int], torch.Tensor] = {}
@@ -175,11 +176,12 @@ class LoRAKernelMeta:
             raise RuntimeError("torch_plan() needs a step with LoRA tokens (check has_lora)")
         if self._plan is not None:
             return self._plan
-        groups, row = [], 0
+        dev = self.device
+        groups: list[SegmentGroup] = []
+        row = 0
         for members in group_segments(self.seg_len_list):
             G = len(members)
             L = max(self.seg_len_list[i] for i in members)
-            dev = self.device
             starts = torch.tensor([self.seg_start_list[i] for i in members], device=dev)  # [G]
             lens = torch.tensor([self.seg_len_list[i] for i in members], device=dev)  # [G]
             col = self._arange[:L].unsqueeze(0)  # [1, L]
@@ -191,10 +193,15 @@ class LoRAKernelMeta:
             torch.index_select(self._sorted64, 0, pos.view(-1), out=pad_index)
             pad_mask.copy_(valid.view(-1))
             slots = tuple(self.active_slot_list[i] for i in members)
-            identity = (
-                G * L == self.num_tokens
-                and bool(torch.equal(pad_index, self._arange[: self.num_tokens]))
-            )  # one group, every token has a slot, equal segments, already in order
+            # Tokens already in segment order with equal segments (a prefill chunk, a decode
+            # batch sorted by adapter): the block is a slice of x and y, no gather or scatter.
+            first = int(pad_index[0])
+            row_start = (
+                first
+                if first + G * L <= self.num_tokens
+                and torch.equal(pad_index, self._arange[first : first + G * L])
+                else None
+            )
             groups.append(
                 SegmentGroup(
                     slots=slots,
@@ -202,7 +209,7 @@ class LoRAKernelMeta:
                     seg_len=L,
                     pad_index=pad_index,
                     pad_mask=pad_mask.view(G, L, 1),
-                    identity=identity,
+                    row_start=row_start,
                 )
             )
         self._plan = TorchPlan(groups=tuple(groups))

@@ -245,28 +245,26 @@ def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch: pytest.Monkey
 
 
 @pytest.mark.parametrize(
-    ("slots", "padded", "identity"),
+    ("slots", "num_groups", "row_start"),
     [
-        # decode: 64 tokens over 8 slots, shuffled, with base tokens
-        (
-            torch.randperm(72, generator=torch.Generator().manual_seed(3)).remainder(9) - 1,
-            True,
-            False,
-        ),
-        ([s for s in range(8) for _ in range(8)], True, True),  # already grouped: no gather
-        ([0] * 200 + [3, 5, -1, 7], False, False),  # long prefill beside decodes: segment loop
-        ([6, 6, 1, -1, 1, 6], True, False),  # active slots 1 and 6: weights by index_select
+        # decode: 72 tokens over 8 slots and the base model, shuffled
+        (torch.randperm(72, generator=torch.Generator().manual_seed(3)).remainder(9) - 1, 1, None),
+        ([s for s in range(8) for _ in range(8)], 1, 0),  # already grouped: no gather
+        ([3, 5, -1, 7, 3] + [0] * 200, 2, None),  # long prefill beside decodes: two groups
+        ([6, 6, 1, -1, 1, 6], 1, None),  # active slots 1 and 6: weights by index_select
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_lora_torch_matches_naive(
-    slots: list[int] | torch.Tensor, padded: bool, identity: bool, dtype: torch.dtype
+    slots: list[int] | torch.Tensor, num_groups: int, row_start: int | None, dtype: torch.dtype
 ) -> None:
     slots = [int(s) for s in slots]
     ranks = [8, 16, 4, 64, 8, 32, 12, 8]
     case = make_case(slots, ranks, 64, 96, [96, 32, 32], dtype, max_num_tokens=256)
-    plan = case.meta.torch_plan()
-    assert (plan.padded, plan.identity) == (padded, identity)
+    groups = case.meta.torch_plan().groups
+    assert (len(groups), groups[0].row_start) == (num_groups, row_start)
+    if num_groups == 2:
+        assert groups[1].row_start == 5  # the prefill chunk: a slice of the batch
     y = case.y0.clone()
     add_lora_torch(y, case.x, case.weights, case.meta)
     torch.testing.assert_close(y.float(), naive_add_lora(case), **TOL[dtype])
@@ -298,7 +296,9 @@ def test_layer_weights_validate_shapes() -> None:
     with pytest.raises(ValueError, match="one entry per slice"):
         LoRALayerWeights(w.lora_a, w.lora_b, (0,), w.ranks, w.scales)
     with pytest.raises(ValueError, match="slice 1"):
-        LoRALayerWeights(w.lora_a, (w.lora_b[0], w.lora_b[1][:, :, :4].contiguous()), (0, 16), w.ranks, w.scales)
+        LoRALayerWeights(
+            w.lora_a, (w.lora_b[0], w.lora_b[1][:, :, :4].contiguous()), (0, 16), w.ranks, w.scales
+        )
 
 
 @pytest.mark.parametrize("grouped", [False, True])
@@ -309,7 +309,7 @@ def test_add_lora_torch_slices_with_gaps(grouped: bool) -> None:
     w = case.weights
     case.weights = LoRALayerWeights(w.lora_a, w.lora_b, (8, 40), w.ranks, w.scales)
     case.y0 = torch.randn(len(slots), 64)
-    assert case.meta.torch_plan().identity == grouped
+    assert (case.meta.torch_plan().groups[0].row_start == 0) == grouped
     y = case.y0.clone()
     add_lora_torch(y, case.x, case.weights, case.meta)
     torch.testing.assert_close(y, naive_add_lora(case))

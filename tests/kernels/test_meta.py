@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.kernels.meta import LoRAKernelMeta
+from loraplex.kernels.meta import GROUP_COST_ROWS, LoRAKernelMeta, group_segments
 
 
 def _ptrs(meta: LoRAKernelMeta) -> list[int]:
@@ -66,30 +66,60 @@ def test_buffers_reused_across_steps_of_different_sizes() -> None:
     assert _ptrs(meta) == ptrs
     assert meta.torch_plan() is not plan  # rebuilt for the new step ...
     assert meta.torch_plan() is meta.torch_plan()  # ... and once per step
-    assert meta.torch_plan().pad_index.data_ptr() == plan.pad_index.data_ptr()
+    assert meta.torch_plan().groups[0].pad_index.data_ptr() == plan.groups[0].pad_index.data_ptr()
 
 
 def test_torch_plan_padded_layout() -> None:
     meta = LoRAKernelMeta(max_num_tokens=16, max_loras=4)
     meta.prepare(torch.tensor([1, -1, 3, 1, 1, 3]))
-    plan = meta.torch_plan()
-    assert plan.padded and not plan.identity and plan.seg_len == 3
-    # segment slot 1: tokens 0, 3, 4; slot 3: tokens 2, 5 then a pad repeating its first row
-    assert plan.pad_index.tolist() == [0, 3, 4, 2, 5, 2]
-    assert plan.pad_mask.view(-1).tolist() == [1, 1, 1, 1, 1, 0]
-    assert plan.active_index.tolist() == [1, 3]
-    assert plan.sorted_index.tolist() == [0, 3, 4, 2, 5]
+    (group,) = meta.torch_plan().groups
+    assert group.slots == (1, 3) and group.slot_index.tolist() == [1, 3]
+    assert group.seg_len == 3 and group.row_start is None
+    # slot 1: tokens 0, 3, 4; slot 3: tokens 2, 5, then a pad repeating its first row
+    assert group.pad_index.tolist() == [0, 3, 4, 2, 5, 2]
+    assert group.pad_mask.view(-1).tolist() == [1, 1, 1, 1, 1, 0]
 
 
-def test_torch_plan_identity_and_fallback() -> None:
+def test_torch_plan_row_slices() -> None:
     meta = LoRAKernelMeta(max_num_tokens=512, max_loras=4)
     meta.prepare(torch.tensor([0, 0, 2, 2, 3, 3]))
-    assert meta.torch_plan().identity
+    assert meta.torch_plan().groups[0].row_start == 0
     meta.prepare(torch.tensor([0, 2, 0, 2]))  # equal segments but interleaved
-    assert not meta.torch_plan().identity
-    # one 300-token prefill beside three 1-token decodes: padding would waste ~4x
-    meta.prepare(torch.tensor([0] * 300 + [1, 2, 3]))
-    assert not meta.torch_plan().padded
+    assert meta.torch_plan().groups[0].row_start is None
+    meta.prepare(torch.tensor([-1, 0, 0, 2, 2, -1]))  # base tokens around a sorted block
+    assert meta.torch_plan().groups[0].row_start == 1
+    meta.prepare(torch.tensor([0, 0, 2, 2, 2]))  # unequal segments: pads
+    assert meta.torch_plan().groups[0].row_start is None
+
+
+def test_long_prefill_gets_its_own_group() -> None:
+    meta = LoRAKernelMeta(max_num_tokens=512, max_loras=4)
+    # one 300-token prefill (slot 2) beside three decodes: one block would pad 3 rows to 300
+    meta.prepare(torch.tensor([1, 3] + [2] * 300 + [0]))
+    groups = meta.torch_plan().groups
+    assert [g.slots for g in groups] == [(0, 1, 3), (2,)]
+    assert groups[0].pad_index.tolist() == [302, 0, 1]
+    assert groups[1].pad_index.tolist() == list(range(2, 302))
+    assert [g.row_start for g in groups] == [None, 2]
+    assert groups[1].pad_index.data_ptr() == groups[0].pad_index.data_ptr() + 3 * 8
+
+
+@pytest.mark.parametrize(
+    ("lens", "want"),
+    [
+        ([8] * 8, [list(range(8))]),  # decode: one block, no padding
+        ([1, 3, 2, 1], [[0, 1, 2, 3]]),  # a little padding beats another block
+        ([300, 1, 1, 1], [[1, 2, 3], [0]]),  # the prefill alone, the decodes together
+        ([100, 90, 2, 1], [[2, 3], [0, 1]]),
+        ([5], [[0]]),
+    ],
+)
+def test_group_segments_least_padding(lens: list[int], want: list[list[int]]) -> None:
+    groups = group_segments(lens)
+    assert groups == want
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    padded = sum(len(g) * max(lens[i] for i in g) for g in groups)
+    assert padded <= sum(lens) + GROUP_COST_ROWS * len(lens)
 
 
 @pytest.mark.parametrize(
