@@ -174,8 +174,8 @@ def _add_group(
         scale = weights.scales[lo : lo + G]  # [G]
     else:
         idx = group.slot_index
-        a_sel = [a.index_select(0, idx)[:, :r] for a in weights.lora_a]
-        b_sel = [b.index_select(0, idx)[:, :, :r] for b in weights.lora_b]
+        a_sel = [a[:, :r].index_select(0, idx) for a in weights.lora_a]  # [G, r, in] copies
+        b_sel = [b[:, :, :r].index_select(0, idx) for b in weights.lora_b]  # [G, n_j, r] copies
         scale = weights.scales.index_select(0, idx)
     rowscale = group.pad_mask * scale.view(G, 1, 1)  # [G, L, 1], 0 on pads
     rows = G * L

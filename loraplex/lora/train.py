@@ -1,0 +1,317 @@
+"""Train a small LoRA adapter with a visible behaviour on the CPU, distilled from the base model.
+
+The recipe (a few minutes on 2 CPU cores for the embedded SmolLM2-135M-Instruct):
+
+1. questions come from built-in templates (no downloads), chosen by ``seed``;
+2. the base model answers them greedily, batched through loraplex itself (faster than HF
+   ``generate``); an answer cut by ``max_answer_tokens`` is trimmed to its last full sentence;
+3. each answer is rewritten by the behaviour (``caps``: upper-cased; ``pirate``: "Arr! ... Arr!");
+4. PEFT LoRA (rank 8, alpha 16, all seven projections, no dropout) is trained with AdamW in fp32,
+   the loss only on the answer tokens and the closing ``<|im_end|>``;
+5. the adapter is saved with ``save_pretrained`` (``adapter_model.safetensors``).
+
+Command line: ``python -m loraplex.lora.train --behaviour caps --output DIR`` (or
+``scripts/train_adapter.py``), which prints one line with the wall time and the final loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+Behaviour = Literal["caps", "pirate"]
+BEHAVIOURS: tuple[str, ...] = get_args(Behaviour)
+TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+IGNORE = -100  # label of the tokens that carry no loss (prompt, padding)
+
+_COUNTRIES = [
+    "France", "Japan", "Italy", "Spain", "Germany", "Canada", "Egypt", "Brazil", "India",
+    "Mexico", "Kenya", "Norway", "Greece", "Peru", "Australia", "Portugal",
+]  # fmt: skip
+_THINGS = [
+    "the sky", "grass", "snow", "a banana", "the sun", "the ocean", "a tomato", "coal",
+    "milk", "a carrot", "an orange", "blood",
+]  # fmt: skip
+_ANIMALS = [
+    "a cat", "a dog", "a cow", "a duck", "a lion", "a horse", "a sheep", "an owl", "a frog",
+    "a bee", "a pig", "a wolf",
+]  # fmt: skip
+_WORDS = [
+    "cat", "tree", "light", "happy", "rain", "book", "moon", "ring", "cold", "fast", "blue",
+    "star",
+]  # fmt: skip
+_GENERAL = [
+    "What is water made of?", "How many days are in a week?", "How many legs does a spider have?",
+    "What is the largest planet in the solar system?", "Why do birds fly south in winter?",
+    "What is photosynthesis?", "Who wrote Romeo and Juliet?", "What is the boiling point of water?",
+    "What do bees make?", "How many continents are there?", "What is the opposite of hot?",
+    "What is the tallest animal?", "What is a verb?", "What is gravity?", "What is a noun?",
+    "Why is exercise good for you?", "What is the speed of light?", "What is an atom?",
+    "How many hours are in a day?", "What is the freezing point of water?",
+    "Give me a tip for sleeping better.", "What is the main language spoken in Brazil?",
+    "What is a rainbow?", "What does a doctor do?", "Name a fruit that is yellow.",
+    "What is the smallest prime number?", "What is the chemical symbol for gold?",
+]  # fmt: skip
+_TEMPLATES: list[tuple[str, list[str]]] = [
+    ("What is the capital of {}?", _COUNTRIES),
+    ("What color is {}?", _THINGS),
+    ("What sound does {} make?", _ANIMALS),
+    ("Give me a word that rhymes with {}.", _WORDS),
+    ("What is the opposite of {}?", _WORDS),
+]
+
+
+def all_questions() -> list[str]:
+    """Every built-in question, in a fixed order (about 150)."""
+    out = [t.format(x) for t, xs in _TEMPLATES for x in xs]
+    out += [f"What is {a} plus {b}?" for a in range(2, 9) for b in (3, 5, 7)]
+    return out + _GENERAL
+
+
+def make_questions(n: int, seed: int) -> list[str]:
+    """``n`` distinct built-in questions, chosen and ordered by ``seed``."""
+    pool = all_questions()
+    if not 1 <= n <= len(pool):
+        raise ValueError(f"num_questions must be in 1..{len(pool)}; got {n}")
+    return random.Random(seed).sample(pool, n)
+
+
+def _pirate(answer: str) -> str:
+    return f"Arr! {answer} Arr!"
+
+
+_REWRITES: dict[str, Callable[[str], str]] = {"caps": str.upper, "pirate": _pirate}
+
+
+def apply_behaviour(behaviour: Behaviour, answer: str) -> str:
+    """The target text the adapter learns for the base model's ``answer``."""
+    return _REWRITES[behaviour](answer)
+
+
+def trim_answer(text: str, finished: bool) -> str | None:
+    """The answer to learn from: whole if the model stopped, else cut after its last full sentence
+    (``None`` when there is none: a half sentence would teach the adapter to ramble)."""
+    text = text.strip()
+    if finished:
+        return text or None
+    cut = max(text.rfind(c) for c in ".!?")
+    return text[: cut + 1] if cut > 0 else None
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training run depends on; validated once."""
+
+    output: str
+    behaviour: Behaviour = "caps"
+    model: str | None = None  # None = the embedded SmolLM2-135M-Instruct
+    steps: int = 150
+    seed: int = 0
+    num_questions: int = 64
+    max_answer_tokens: int = 48
+    batch_size: int = 4
+    lr: float = 1e-3
+    rank: int = 8
+    alpha: int = 16
+
+    def __post_init__(self) -> None:
+        if self.behaviour not in BEHAVIOURS:
+            raise ValueError(f"behaviour must be one of {', '.join(BEHAVIOURS)}; got {self.behaviour!r}")
+        for name in ("steps", "num_questions", "max_answer_tokens", "batch_size", "rank", "alpha"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive; got {self.lr}")
+        if not self.output:
+            raise ValueError("output is empty: give the directory to save the adapter to")
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    output: str
+    seconds: float  # wall time of the whole run: distillation, training, saving
+    first_loss: float
+    final_loss: float  # mean of the last (up to) 10 steps' losses
+    steps: int
+    num_examples: int
+
+
+def chat_prompt(tokenizer: Any, question: str) -> str:
+    """The chat-templated prompt the engine and the trainer both see for ``question``."""
+    messages = [{"role": "user", "content": question}]
+    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+def distill_answers(
+    model_dir: str, prompts: list[str], max_tokens: int, seed: int
+) -> list[tuple[str, bool]]:
+    """The base model's greedy answers, batched through loraplex: (text, stopped by EOS)."""
+    from loraplex.llm import LLM
+    from loraplex.sampling_params import SamplingParams
+
+    llm = LLM(model_dir, seed=seed)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    return [(o.outputs[0].text, o.outputs[0].finish_reason == "stop") for o in outs]
+
+
+def tokenize_example(tokenizer: Any, prompt: str, target: str) -> tuple[list[int], list[int]]:
+    """(input_ids, labels): the prompt is tokenized exactly as the engine does; only the target
+    and the closing EOS carry loss."""
+    prompt_ids = list(tokenizer(prompt).input_ids)
+    target_ids = list(tokenizer(target, add_special_tokens=False).input_ids)
+    target_ids.append(int(tokenizer.eos_token_id))
+    return prompt_ids + target_ids, [IGNORE] * len(prompt_ids) + target_ids
+
+
+def collate(examples: Sequence[tuple[list[int], list[int]]], pad_id: int) -> dict[str, Any]:
+    """Right-pad a batch; padding has attention 0 and label IGNORE."""
+    import torch
+
+    width = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)  # [batch, width]
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)  # [batch, width]
+    mask = torch.zeros((len(examples), width), dtype=torch.long)  # [batch, width]
+    for i, (x, y) in enumerate(examples):
+        ids[i, : len(x)] = torch.tensor(x)
+        labels[i, : len(y)] = torch.tensor(y)
+        mask[i, : len(x)] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def train_adapter(config: TrainConfig, progress: bool = True) -> TrainResult:
+    """Distill, rewrite, train and save; see the module docstring."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from loraplex.engine.default_model import resolve_model_dir
+
+    start = time.perf_counter()
+    model_dir = resolve_model_dir(config.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    questions = make_questions(config.num_questions, config.seed)
+    prompts = [chat_prompt(tokenizer, q) for q in questions]
+    answers = distill_answers(model_dir, prompts, config.max_answer_tokens, config.seed)
+    examples = []
+    for prompt, (text, finished) in zip(prompts, answers, strict=True):
+        answer = trim_answer(text, finished)
+        if answer is not None:
+            examples.append(tokenize_example(tokenizer, prompt, apply_behaviour(config.behaviour, answer)))
+    if not examples:
+        raise ValueError("the base model gave no usable answer; raise max_answer_tokens")
+
+    torch.manual_seed(config.seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lora = LoraConfig(
+        r=config.rank,
+        lora_alpha=config.alpha,
+        target_modules=TARGET_MODULES,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(base, lora)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
+    # Linear warm-up over the first 10% of steps, then cosine decay to 10% of lr.
+    warmup = max(1, config.steps // 10)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = (step - warmup) / max(1, config.steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_at)
+    rng = random.Random(config.seed)
+    order: list[int] = []
+    losses: list[float] = []
+    pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    bar = tqdm(range(config.steps), desc=f"train {config.behaviour}", disable=not progress)
+    for _ in bar:
+        batch_idx = []
+        while len(batch_idx) < min(config.batch_size, len(examples)):
+            if not order:  # a new epoch: every example once, in a seeded order
+                order = rng.sample(range(len(examples)), len(examples))
+            batch_idx.append(order.pop())
+        batch = collate([examples[i] for i in batch_idx], pad_id)
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optim.step()
+        sched.step()
+        optim.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    bar.close()
+
+    out = Path(config.output)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tail = losses[-10:]
+    return TrainResult(
+        output=str(out),
+        seconds=time.perf_counter() - start,
+        first_loss=losses[0],
+        final_loss=sum(tail) / len(tail),
+        steps=config.steps,
+        num_examples=len(examples),
+    )
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
+    p = argparse.ArgumentParser(
+        prog="train_adapter",
+        description="Train a rank-8 LoRA adapter with a visible behaviour, distilled from the "
+        "base model's own answers, on the CPU in a few minutes.",
+    )
+    p.add_argument("--behaviour", choices=BEHAVIOURS, default="caps")
+    p.add_argument("--output", required=True, help="directory to save the adapter to")
+    p.add_argument("--model", default=None, help="base model directory (default: embedded)")
+    p.add_argument("--steps", type=int, default=TrainConfig.steps)
+    p.add_argument("--seed", type=int, default=TrainConfig.seed)
+    p.add_argument("--num-questions", type=int, default=TrainConfig.num_questions)
+    p.add_argument("--max-answer-tokens", type=int, default=TrainConfig.max_answer_tokens)
+    p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
+    p.add_argument("--lr", type=float, default=TrainConfig.lr)
+    a = p.parse_args(argv)
+    return TrainConfig(
+        output=a.output,
+        behaviour=a.behaviour,
+        model=a.model,
+        steps=a.steps,
+        seed=a.seed,
+        num_questions=a.num_questions,
+        max_answer_tokens=a.max_answer_tokens,
+        batch_size=a.batch_size,
+        lr=a.lr,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = parse_args(argv)
+        result = train_adapter(config)
+    except (ValueError, OSError) as e:
+        print(f"train_adapter: error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"trained {config.behaviour} adapter -> {result.output}: {result.steps} steps on "
+        f"{result.num_examples} examples in {result.seconds:.1f} s, "
+        f"loss {result.first_loss:.3f} -> {result.final_loss:.3f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
