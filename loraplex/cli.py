@@ -48,6 +48,16 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG, description="Multi-tenant LoRA serving: one base model, many adapters."
@@ -82,11 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_throughput(
         benches.add_parser(
             "throughput",
-            help="loraplex vs Hugging Face generate() on one offline workload",
+            help="loraplex vs Hugging Face generate() (or PEFT, with adapters) on one workload",
             description=(
                 "Run one seeded workload through loraplex and through Hugging Face generate() in the "
                 "same process, alternating, and report the ratio of median output tokens/s, the "
-                "achieved GFLOP/s and MFU against the fp32 matmul peak measured in the same run."
+                "achieved GFLOP/s and MFU against the fp32 matmul peak measured in the same run. "
+                "With --num-adapters N the workload uses N random LoRA adapters and the baselines "
+                "are PEFT per-adapter and mixed-adapter batches."
             ),
         )
     )
@@ -111,25 +123,45 @@ def _add_throughput(p: argparse.ArgumentParser) -> None:
     w.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--repeats", type=_positive, default=3, help="alternating runs per system")
-    w.add_argument(
+    a = p.add_argument_group(
+        "multi-adapter mode",
+        "--num-adapters N > 0 spreads the workload over N random LoRA adapters and compares "
+        "loraplex with adapters, loraplex without, and two PEFT baselines",
+    )
+    a.add_argument(
         "--num-adapters",
         type=_non_negative,
         default=0,
-        help="LoRA adapters in the workload (not supported yet: 0 only)",
+        help="LoRA adapters in the workload (0: base model, loraplex vs HF generate())",
     )
-    w.add_argument(
+    a.add_argument(
         "--adapter-dist",
         choices=("uniform", "powerlaw"),
         default="uniform",
-        help="how requests pick adapters",
+        help="how requests pick adapters: uniform, or P(k) ~ (k+1)^-alpha",
     )
-    h = p.add_argument_group("Hugging Face baseline")
-    h.add_argument("--hf-batch-size", type=_positive, default=8)
+    a.add_argument("--powerlaw-alpha", type=_non_negative_float, default=1.0)
+    a.add_argument("--adapter-rank", type=_positive, default=8, help="rank of the random adapters")
+    a.add_argument(
+        "--max-loras", type=_positive, default=8, help="engine device slots: min(N, this)"
+    )
+    a.add_argument("--max-lora-rank", type=_positive, default=64, help="engine slot rank")
+    a.add_argument(
+        "--peft-mixed-batch-size",
+        type=_positive,
+        default=32,
+        help="batch size of the PEFT mixed-adapter baseline",
+    )
+    h = p.add_argument_group("Hugging Face / PEFT baselines")
+    h.add_argument(
+        "--hf-batch-size", type=_positive, default=8, help="static batch size (per adapter)"
+    )
     h.add_argument(
         "--hf-max-requests",
         type=_positive,
         default=None,
-        help="run the baseline on the first N requests only and take their rate",
+        help="run the baselines on about N requests only (with adapters: whole batches) "
+        "and take their rate",
     )
     h.add_argument("--skip-hf", action="store_true", help="run loraplex only")
     e = p.add_argument_group("loraplex engine")
@@ -187,6 +219,11 @@ def _throughput(args: argparse.Namespace) -> int:
         prefix_repeats=args.prefix_repeats,
         num_adapters=args.num_adapters,
         adapter_dist=args.adapter_dist,
+        powerlaw_alpha=args.powerlaw_alpha,
+        adapter_rank=args.adapter_rank,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        peft_mixed_batch_size=args.peft_mixed_batch_size,
         output_dir=args.output_dir,
     )
     run_throughput(opts)

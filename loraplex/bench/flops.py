@@ -10,6 +10,10 @@ embeddings and softmax are not counted. For one request with P prompt and O outp
 * attention: the token at position t attends causally to t + 1 keys, costing
   2·(t+1)·head_dim per head for QKᵀ and the same for PV, summed exactly over t = 0 .. P+O-2.
 
+A LoRA adapter of rank r on all seven projections adds, per computed token, the shrink and expand
+matmuls ``2·r·(in + out)`` of each projection (``lora_rank`` > 0); an engine padding slots to a
+larger ``max_lora_rank`` executes more than this, which is not counted.
+
 Prefix-cache reuse and preemption recompute are not counted (the workload's required work).
 """
 
@@ -52,6 +56,14 @@ class ModelShape:
         return attn + 3 * self.hidden * self.intermediate
 
     @property
+    def layer_lora_params_per_rank(self) -> int:
+        """Sum of (in + out) over the seven projections of one layer: A and B params per rank."""
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        attn = (self.hidden + q) + 2 * (self.hidden + kv) + (q + self.hidden)
+        return attn + 3 * (self.hidden + self.intermediate)
+
+    @property
     def linear_params(self) -> int:
         """Non-embedding matmul parameters of the decoder layers (lm_head counted apart)."""
         return self.num_layers * self.layer_matmul_params
@@ -62,9 +74,14 @@ class ModelShape:
 
 
 def workload_flops(
-    shape: ModelShape, prompt_lens: Sequence[int], output_lens: Sequence[int]
+    shape: ModelShape,
+    prompt_lens: Sequence[int],
+    output_lens: Sequence[int],
+    *,
+    lora_rank: int = 0,
 ) -> dict[str, int]:
-    """FLOPs of generating ``output_lens[i]`` tokens after ``prompt_lens[i]`` prompt tokens."""
+    """FLOPs of generating ``output_lens[i]`` tokens after ``prompt_lens[i]`` prompt tokens
+    (every request through a rank-``lora_rank`` adapter on all seven projections; 0: none)."""
     computed = sampled = attention_pairs = 0
     for p, o in zip(prompt_lens, output_lens, strict=True):
         n = p + o - 1  # positions 0 .. n-1 are computed
@@ -74,11 +91,13 @@ def workload_flops(
     linear = 2 * shape.linear_params * computed
     lm_head = 2 * shape.lm_head_params * sampled
     attention = 4 * shape.num_layers * shape.num_heads * shape.head_dim * attention_pairs
+    lora = 2 * lora_rank * shape.num_layers * shape.layer_lora_params_per_rank * computed
     return {
         "computed_tokens": computed,
         "sampled_rows": sampled,
         "linear": linear,
         "lm_head": lm_head,
         "attention": attention,
-        "total": linear + lm_head + attention,
+        "lora": lora,
+        "total": linear + lm_head + attention + lora,
     }

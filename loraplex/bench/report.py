@@ -144,3 +144,88 @@ def write_plot(result: dict[str, Any], path: Path) -> str | None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return None
+
+
+MULTI_LORA_COLUMNS = (
+    ("loraplex", "loraplex+LoRA"),
+    ("loraplex_base", "loraplex base"),
+    ("peft_static", "PEFT per-adapter"),
+    ("peft_mixed", "PEFT mixed"),
+)
+
+
+def multi_lora_table(result: dict[str, Any]) -> str:
+    """The four systems side by side, then the two headline ratios and the engine's LoRA stats."""
+    s = result["summary"]
+    per = s["systems"]
+    cols = [(key, title) for key, title in MULTI_LORA_COLUMNS if key in per]
+
+    def row(label: str, cell: Any) -> tuple[str, ...]:
+        return (label, *(cell(per[key]) for key, _ in cols))
+
+    def lora_only(key: str) -> Any:
+        return lambda d: " ".join(str(v) for v in d[key]) if key in d else "-"
+
+    rows: list[tuple[str, ...]] = [("", *(title for _, title in cols))]
+    rows.append(row("requests timed", lambda d: f"{d['requests']}{'*' if d['extrapolated'] else ''}"))
+    rows.append(row("per-repeat tok/s", lambda d: " ".join(
+        f"{v:.1f}" for v in d["per_repeat_tokens_per_s"])))  # fmt: skip
+    rows.append(row("median output tok/s", lambda d: f"{d['median_tokens_per_s']:.1f}"))
+    rows.append(row("achieved GFLOP/s", lambda d: f"{d['median_gflops']:.2f}"))
+    rows.append(row(f"MFU (peak {s['peak_gflops']:.1f} GFLOP/s)", lambda d: f"{d['mfu'] * 100:.2f}%"))
+    rows.append(row("LoRA slot loads", lora_only("lora_slot_loads")))
+    rows.append(row("preemptions", lora_only("preemptions")))
+    text = format_table(rows)
+    if any(d["extrapolated"] for d in per.values()):
+        text += "\n* a subset of whole batches; tokens/s taken as the full workload's rate"
+    a = result["adapters"]
+    text += (
+        f"\n\n{a['num_adapters']} rank-{a['rank']} adapters ({a['distribution']}), "
+        f"requests per adapter {a['requests_per_adapter']}"
+    )
+    if s.get("speedup_vs_best_peft") is not None:
+        paired = " ".join(f"{v:.2f}x" for v in s["per_repeat_speedup_vs_best_peft"])
+        text += (
+            f"\nloraplex / best PEFT ({s['best_peft']}): {s['speedup_vs_best_peft']:.2f}x "
+            f"(target >= {s['targets']['speedup_vs_best_peft']:g}x); per repeat pair: {paired}"
+        )
+    if s.get("lora_with_over_without") is not None:
+        paired = " ".join(f"{v:.3f}" for v in s["per_repeat_lora_with_over_without"])
+        text += (
+            f"\nloraplex with / without adapters: {s['lora_with_over_without']:.3f} "
+            f"(target >= {s['targets']['lora_with_over_without']:g}); per repeat pair: {paired}"
+        )
+    stats = result.get("engine_lora_stats") or {}
+    if stats:
+        text += "\nengine LoRA stats: " + ", ".join(f"{k}={v}" for k, v in stats.items())
+    return text
+
+
+def write_multi_lora_plot(result: dict[str, Any], path: Path) -> str | None:
+    """The four systems' median tokens/s (dots: repeats); None, or why no plot was written."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return "matplotlib is not installed; plot skipped (pip install 'loraplex[bench]')"
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = result["summary"]
+    cols = [(k, t) for k, t in MULTI_LORA_COLUMNS if k in s["systems"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for x, (key, _) in enumerate(cols):
+        data = s["systems"][key]
+        ax.bar(x, data["median_tokens_per_s"], color=f"C{x}")
+        reps = data["per_repeat_tokens_per_s"]
+        ax.scatter([x] * len(reps), reps, color="k", s=12, zorder=3)
+    ax.set_xticks(range(len(cols)), [t for _, t in cols])
+    ax.set_ylabel("output tokens/s (median, dots = repeats)")
+    a = result["adapters"]
+    title = f"{a['num_adapters']} adapters, {a['distribution']}"
+    if s.get("speedup_vs_best_peft") is not None:
+        title += f" — {s['speedup_vs_best_peft']:.2f}x best PEFT"
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None

@@ -1,10 +1,10 @@
-"""The two systems under test, each timed on the same token-id prompts.
+"""The systems under test, each timed on the same token-id prompts.
 
 * loraplex: the offline ``LLM`` API, one ``generate`` call for the whole workload (continuous
-  batching decides the batches).
+  batching decides the batches), with or without a LoRA adapter per request.
 * Hugging Face: the "traditional path": ``AutoModelForCausalLM.generate`` over static batches with
   left padding, where every batch runs until its longest request is done. Only each request's own
-  tokens count as output.
+  tokens count as output. (The PEFT baselines of the multi-adapter mode: ``peft_baselines``.)
 
 Model loading and warm-up are never inside the timed region.
 """
@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from loraplex.config import DType
 
-System = Literal["loraplex", "hf"]
+System = Literal["loraplex", "loraplex_base", "hf", "peft_static", "peft_mixed"]
 # Engine counters that only grow; a run reports how much each grew during it.
 ENGINE_COUNTERS = (
     "prefix_cache_queries",
@@ -27,6 +27,11 @@ ENGINE_COUNTERS = (
     "num_steps",
     "num_prompt_tokens_computed",
     "num_generated_tokens",
+    "lora_disk_loads",
+    "lora_host_hits",
+    "lora_host_evictions",
+    "lora_slot_loads",
+    "lora_slot_hits",
 )
 
 
@@ -39,6 +44,9 @@ class RunResult:
     num_requests: int
     outputs: list[list[int]] = field(repr=False)
     engine: dict[str, float] = field(default_factory=dict)  # counter deltas (loraplex only)
+    # Workload index of each output (a baseline may run a subset that is not a prefix); empty:
+    # outputs[i] is request i.
+    indices: list[int] = field(default_factory=list, repr=False)
 
     @property
     def tokens_per_s(self) -> float:
@@ -118,17 +126,26 @@ def reset_prefix_cache(llm: Any) -> bool:
 
 
 def run_loraplex(
-    llm: Any, prompts: Sequence[list[int]], output_lens: Sequence[int], repeat: int
+    llm: Any,
+    prompts: Sequence[list[int]],
+    output_lens: Sequence[int],
+    repeat: int,
+    *,
+    lora_requests: Sequence[Any] | None = None,
+    system: System = "loraplex",
 ) -> RunResult:
+    """One timed ``generate`` over the workload; ``lora_requests``: one ``LoRARequest`` (or None)
+    per prompt."""
     params = greedy_params(output_lens)
+    extra = {} if lora_requests is None else {"lora_request": list(lora_requests)}
     before = counters(llm)
     start = time.perf_counter()
-    outs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
+    outs = llm.generate([list(p) for p in prompts], params, use_tqdm=False, **extra)
     seconds = time.perf_counter() - start
     after = counters(llm)
     outputs = [list(o.outputs[0].token_ids) for o in outs]
     return RunResult(
-        system="loraplex",
+        system=system,
         repeat=repeat,
         seconds=seconds,
         output_tokens=sum(len(o) for o in outputs),
@@ -142,14 +159,11 @@ class HFBaseline:
     """``AutoModelForCausalLM`` + ``generate()`` over static, left-padded batches."""
 
     def __init__(self, model_dir: str, dtype: DType, batch_size: int) -> None:
-        import torch
         from transformers import AutoModelForCausalLM
 
-        torch_dtype = torch.float32 if dtype in ("auto", "float32") else getattr(torch, dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
-        config = self.model.generation_config
-        pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
-        self.pad_id = int(pad[0] if isinstance(pad, list) else (pad or 0))
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(dtype))
+        self.model.eval()
+        self.pad_id = pad_token_id(self.model)
         self.batch_size = batch_size
 
     def warm_up(self, prompts: Sequence[list[int]]) -> None:
@@ -175,22 +189,44 @@ class HFBaseline:
         )
 
     def _generate_batch(self, prompts: list[list[int]], num_new: int) -> list[list[int]]:
-        import torch
+        return generate_padded(self.model, self.pad_id, prompts, num_new)
 
-        width = max(len(p) for p in prompts)
-        # Left padding: every row's last prompt token sits in the last column.
-        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])  # [B, width]
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        with torch.inference_mode():
-            out = self.model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=num_new,
-                min_new_tokens=num_new,  # the batch runs to its longest request (EOS ignored)
-                do_sample=False,
-                pad_token_id=self.pad_id,
-            )  # [B, width + num_new]
-        return [[int(t) for t in row] for row in out[:, width:]]
+
+def torch_dtype(dtype: DType) -> Any:
+    """The baselines' weight dtype: ``auto`` is float32, as loraplex resolves it on CPU."""
+    import torch
+
+    return torch.float32 if dtype in ("auto", "float32") else getattr(torch, dtype)
+
+
+def pad_token_id(model: Any) -> int:
+    config = model.generation_config
+    pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+    return int(pad[0] if isinstance(pad, list) else (pad or 0))
+
+
+def generate_padded(
+    model: Any, pad_id: int, prompts: list[list[int]], num_new: int, **kwargs: Any
+) -> list[list[int]]:
+    """One static batch through ``model.generate``: left-padded, greedy, exactly ``num_new`` new
+    tokens for every row (the batch runs to its longest request; EOS cannot stop it early)."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    # Left padding: every row's last prompt token sits in the last column.
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # [B, width]
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=num_new,
+            min_new_tokens=num_new,
+            do_sample=False,
+            pad_token_id=pad_id,
+            **kwargs,
+        )  # [B, width + num_new]
+    return [[int(t) for t in row] for row in out[:, width:]]
 
 
 def greedy_agreement(a: Sequence[list[int]], b: Sequence[list[int]]) -> dict[str, float]:

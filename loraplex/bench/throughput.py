@@ -3,6 +3,9 @@
 Both systems run in the same process on the same machine, alternating, ``repeats`` times; the
 result is the ratio of the median output tokens/s (absolute numbers on a shared CPU mean little).
 The fp32 matmul peak is measured in the same run so that MFU is a ratio too.
+
+With ``--num-adapters N`` the workload is spread over N LoRA adapters and compared against PEFT
+instead (``multi_lora``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loraplex.bench.adapters import AdapterDist
 from loraplex.bench.flops import ModelShape, workload_flops
 from loraplex.bench.systems import EngineArgs, RunResult
 from loraplex.bench.workload import Workload, encode, make_workload
@@ -45,17 +49,31 @@ class ThroughputOptions:
     prefix_cache_test: bool = False
     prefix_len: int = 512
     prefix_repeats: int = 5
-    num_adapters: int = 0
-    adapter_dist: str = "uniform"
+    num_adapters: int = 0  # 0: base model only, loraplex vs HF; N: N adapters, vs PEFT
+    adapter_dist: AdapterDist = "uniform"
+    powerlaw_alpha: float = 1.0
+    adapter_rank: int = 8
+    max_loras: int = 8  # the engine gets min(num_adapters, max_loras) device slots
+    max_lora_rank: int = 64
+    peft_mixed_batch_size: int = 32
     output_dir: str = "bench-results"
 
     def __post_init__(self) -> None:
-        if self.num_adapters > 0:
-            raise ValueError(
-                "--num-adapters > 0 is not supported yet: the multi-LoRA benchmark comes with "
-                "the LoRA engine work; run with --num-adapters 0"
-            )
         checks = [
+            (self.num_adapters >= 0, "--num-adapters must be 0 or more"),
+            (
+                self.adapter_dist in ("uniform", "powerlaw"),
+                "--adapter-dist must be uniform or powerlaw",
+            ),
+            (self.powerlaw_alpha >= 0, "--powerlaw-alpha must be 0 or more"),
+            (self.adapter_rank >= 1, "--adapter-rank must be at least 1"),
+            (self.max_loras >= 1, "--max-loras must be at least 1"),
+            (
+                self.max_lora_rank >= self.adapter_rank,
+                f"--max-lora-rank ({self.max_lora_rank}) must be at least --adapter-rank "
+                f"({self.adapter_rank}): the engine rejects adapters above its maximum rank",
+            ),
+            (self.peft_mixed_batch_size >= 1, "--peft-mixed-batch-size must be at least 1"),
             (self.num_requests >= 1, "--num-requests must be at least 1"),
             (1 <= self.min_output <= self.max_output, "need 1 <= --min-output <= --max-output"),
             (
@@ -95,6 +113,20 @@ class ThroughputOptions:
             f"--dtype={e.dtype}",
         ]
         argv += [f"--hf-max-requests={self.hf_max_requests}"] if self.hf_max_requests else []
+        if self.num_adapters:
+            argv += [
+                f"--num-adapters={self.num_adapters}",
+                f"--adapter-dist={self.adapter_dist}",
+                f"--adapter-rank={self.adapter_rank}",
+                f"--max-loras={self.max_loras}",
+                f"--max-lora-rank={self.max_lora_rank}",
+                f"--peft-mixed-batch-size={self.peft_mixed_batch_size}",
+            ]
+            argv += (
+                [f"--powerlaw-alpha={self.powerlaw_alpha}"]
+                if self.adapter_dist == "powerlaw"
+                else []
+            )
         argv += [f"--num-blocks={e.num_blocks}"] if e.num_blocks else []
         argv += [] if e.enable_prefix_caching else ["--no-prefix-caching"]
         argv += ["--chat"] if self.chat else []
@@ -113,6 +145,10 @@ class ThroughputOptions:
 def run_throughput(opts: ThroughputOptions, log: Log | None = None) -> dict[str, Any]:
     """Run the benchmark, print the tables, write the JSON (and plot); return the result."""
     say: Log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    if opts.num_adapters > 0:
+        from loraplex.bench.multi_lora import run_multi_lora
+
+        return run_multi_lora(opts, say)
     from loraplex.bench import report
     from loraplex.bench.peak import measure_fp32_peak_gflops
     from loraplex.bench.systems import HFBaseline, build_llm, run_loraplex, warm_up_loraplex

@@ -91,7 +91,7 @@ def test_matches_hf_greedy(
     prompts, max_tokens = workload(seed)
     ref = hf_greedy(model_dir, prompts, max_tokens)
     for name, scenario in SCENARIOS.items():
-        kwargs = {"max_model_len": 256, **scenario}
+        kwargs = {"max_model_len": 256, "dtype": "float32", **scenario}
         llm = LLM(model_dir, **kwargs)  # type: ignore[arg-type]
         ours = run_ours(llm, prompts, max_tokens)
         diverged = assert_close(ours, ref)

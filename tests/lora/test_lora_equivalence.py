@@ -93,7 +93,7 @@ SCENARIOS = {
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_mixed_batch_matches_peft(setup, scenario: str) -> None:  # type: ignore[no-untyped-def]
     model_dir, adapters, names, prompts, max_tokens, ref = setup
-    llm = LLM(model_dir, **{"max_model_len": 128, **SCENARIOS[scenario]})  # type: ignore[arg-type]
+    llm = LLM(model_dir, **{"max_model_len": 128, "dtype": "float32", **SCENARIOS[scenario]})  # type: ignore[arg-type]
     loras = [None if n is None else LoRARequest(n, adapters[n]) for n in names]
     params = [
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=TOP)

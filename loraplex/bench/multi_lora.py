@@ -1,0 +1,414 @@
+"""``loraplex bench throughput --num-adapters N``: one workload spread over N LoRA adapters.
+
+Four systems, one process, one run, alternating repeats (forward order on even repeats, reversed
+on odd ones, so drift of a shared machine hits all alike and each pair of neighbours runs back to
+back):
+
+1. ``loraplex``: every request with its adapter (``max_loras`` = min(N, ``--max-loras``));
+2. ``loraplex_base``: the same engine, prompts and output lengths, no adapter (LoRA's cost);
+3. ``peft_static``: PEFT, per-adapter static batches; 4. ``peft_mixed``: PEFT mixed-adapter batches.
+
+Headline ratios: loraplex over the best PEFT baseline, and loraplex with adapters over without.
+The adapters are random (``adapters.make_random_adapters``), written to a temporary directory that
+is deleted when the run ends.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from loraplex.bench.adapters import (
+    DELTA_RELATIVE_NORM,
+    TARGET_MODULES,
+    adapter_name,
+    adapter_weights,
+    assign_adapters,
+    make_random_adapters,
+    requests_per_adapter,
+)
+from loraplex.bench.flops import ModelShape, workload_flops
+from loraplex.bench.peft_baselines import (
+    Batch,
+    PeftBaselines,
+    PeftMode,
+    describe,
+    mixed_plan,
+    select_batches,
+    static_plan,
+)
+from loraplex.bench.systems import RunResult, System, greedy_agreement
+from loraplex.bench.throughput import (
+    ThroughputOptions,
+    _load_tokenizer_and_config,
+    _machine,
+    _options_json,
+    _reset_prefix_cache,
+    _workload_json,
+)
+from loraplex.bench.workload import encode, make_workload
+
+Log = Callable[[str], None]
+SYSTEMS: tuple[System, ...] = ("loraplex", "loraplex_base", "peft_static", "peft_mixed")
+TARGETS = {"speedup_vs_best_peft": 4.0, "lora_with_over_without": 0.85}
+LORA_GAUGES = ("lora_resident_device", "lora_resident_host", "lora_registered")
+
+
+def run_order(repeat: int, systems: Sequence[System]) -> list[System]:
+    return list(systems) if repeat % 2 == 0 else list(reversed(systems))
+
+
+def run_multi_lora(opts: ThroughputOptions, say: Log) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="loraplex-bench-adapters-") as tmp:
+        return _run(opts, say, Path(tmp))
+
+
+def _run(opts: ThroughputOptions, say: Log, adapter_root: Path) -> dict[str, Any]:
+    from loraplex import LoRARequest
+    from loraplex.bench.peak import measure_fp32_peak_gflops
+    from loraplex.bench.systems import build_llm, run_loraplex, warm_up_loraplex
+    from loraplex.engine.default_model import resolve_model_dir
+
+    model_dir = resolve_model_dir(opts.model)
+    tokenizer, model_config = _load_tokenizer_and_config(model_dir)
+    shape = ModelShape.from_config(model_config)
+    workload = make_workload(
+        opts.num_requests,
+        opts.min_output,
+        opts.max_output,
+        min_words=opts.min_prompt_words,
+        max_words=opts.max_prompt_words,
+        seed=opts.seed,
+    )
+    prompts = [encode(tokenizer, p, chat=opts.chat) for p in workload.prompts]
+    lens = workload.output_lens
+    n_adapters = opts.num_adapters
+    assignment = assign_adapters(
+        opts.num_requests, n_adapters, opts.adapter_dist, alpha=opts.powerlaw_alpha, seed=opts.seed
+    )
+    names = [adapter_name(k) for k in assignment]  # per request
+
+    say(f"model: {model_dir}")
+    say(
+        f"workload: {opts.num_requests} requests over {n_adapters} adapters "
+        f"({opts.adapter_dist}), per adapter {requests_per_adapter(assignment, n_adapters)}; "
+        f"outputs {min(lens)}-{max(lens)} tokens ({sum(lens)} in all), greedy, EOS ignored"
+    )
+    started = time.perf_counter()
+    dirs = make_random_adapters(
+        model_dir, adapter_root, n_adapters, rank=opts.adapter_rank, seed=opts.seed
+    )
+    say(f"{n_adapters} random rank-{opts.adapter_rank} adapters written in "
+        f"{time.perf_counter() - started:.1f} s (temporary, not timed)")  # fmt: skip
+    requests = {name: LoRARequest(name, path) for name, path in dirs.items()}
+    loras = [requests[n] for n in names]
+
+    peaks = [measure_fp32_peak_gflops()]
+    say(f"fp32 matmul peak (torch.mm 2048², best of 7): {peaks[0]:.1f} GFLOP/s")
+    warm = [
+        encode(tokenizer, p, chat=opts.chat)
+        for p in make_workload(4, 4, 4, seed=opts.seed + 1_000_003).prompts
+    ]
+    max_loras = min(n_adapters, opts.max_loras)
+    engine_overrides = {
+        "max_loras": max_loras,
+        "max_cpu_loras": max(n_adapters, max_loras),  # every adapter fits the host cache
+        "max_lora_rank": opts.max_lora_rank,
+    }
+
+    content_hashes: dict[str, str] = {}
+
+    def fresh_llm() -> Any:
+        t0 = time.perf_counter()
+        llm = build_llm(model_dir, opts.engine, **engine_overrides)
+        warm_up_loraplex(llm, warm)
+        # Add every adapter, then one short request each: disk and host loads, slot loads (while
+        # N <= max_loras) and the LoRA path's first-call costs all stay out of the timing.
+        content_hashes.update({name: llm.add_lora(req) for name, req in requests.items()})
+        order = list(requests.values())
+        llm.generate(
+            [warm[i % len(warm)] for i in range(len(order))],
+            _greedy([4] * len(order)),
+            lora_request=order,
+            use_tqdm=False,
+        )
+        say(f"loraplex loaded and warmed up in {time.perf_counter() - t0:.1f} s (not timed)")
+        return llm
+
+    llm = fresh_llm()
+    peft: PeftBaselines | None = None
+    subsets: dict[PeftMode, list[Batch]] = {}
+    plans: dict[PeftMode, list[Batch]] = {}
+    if not opts.skip_hf:
+        t0 = time.perf_counter()
+        peft = PeftBaselines(model_dir, opts.engine.dtype, dirs)
+        peft.warm_up(warm)
+        say(f"PEFT baselines loaded and warmed up in {time.perf_counter() - t0:.1f} s (not timed)")
+        plans = {
+            "peft_static": static_plan(names, opts.hf_batch_size),
+            "peft_mixed": mixed_plan(names, opts.peft_mixed_batch_size),
+        }
+        for mode, plan in plans.items():
+            subsets[mode] = select_batches(
+                plan, opts.hf_max_requests, by_adapter=mode == "peft_static"
+            )
+            d = describe(subsets[mode], lens)
+            say(f"{mode}: {d['requests']} requests in {d['batches']} whole batches "
+                f"{d['batch_sizes']}, {d['adapters_covered']} adapters")  # fmt: skip
+
+    systems = [s for s in SYSTEMS if peft is not None or not s.startswith("peft")]
+    runs: list[RunResult] = []
+    warnings: list[str] = []
+    for r in range(opts.repeats):
+        for system in run_order(r, systems):
+            if system in ("loraplex", "loraplex_base"):
+                if runs and not _reset_prefix_cache(llm, opts):
+                    del llm
+                    gc.collect()
+                    llm = fresh_llm()
+                with_lora = system == "loraplex"
+                run = run_loraplex(
+                    llm, prompts, lens, r, lora_requests=loras if with_lora else None, system=system
+                )
+                run.engine.update({k: v for k, v in llm.engine_stats().items() if k in LORA_GAUGES})
+            else:
+                assert peft is not None
+                run = peft.run(system, subsets[system], prompts, lens, r)  # type: ignore[arg-type]
+            runs.append(run)
+            say(
+                f"repeat {r + 1}/{opts.repeats} {system:13s}: {run.num_requests} requests, "
+                f"{run.output_tokens} tokens in {run.seconds:.2f} s = {run.tokens_per_s:.1f} tok/s"
+            )
+            problem = check_lengths(run, lens)
+            if problem:
+                say(f"warning: {problem}")
+                warnings.append(problem)
+
+    peaks.append(measure_fp32_peak_gflops())
+    say(f"fp32 matmul peak again: {peaks[1]:.1f} GFLOP/s (the higher one is used)")
+    plens = [len(p) for p in prompts]
+
+    def flops_of(idx: Sequence[int], rank: int) -> dict[str, int]:
+        return workload_flops(
+            shape, [plens[i] for i in idx], [lens[i] for i in idx], lora_rank=rank
+        )
+
+    everyone = range(opts.num_requests)
+    flops = {
+        "loraplex": flops_of(everyone, opts.adapter_rank),
+        "loraplex_base": flops_of(everyone, 0),
+        **{
+            mode: flops_of([i for b in batches for i in b.requests], opts.adapter_rank)
+            for mode, batches in subsets.items()
+        },
+    }
+    result: dict[str, Any] = {
+        "benchmark": "throughput-multi-lora",
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": opts.command_line(),
+        "options": _options_json(opts),
+        "machine": _machine(),
+        "model": {"dir": model_dir, "shape": asdict(shape)},
+        "workload": _workload_json(workload, prompts),
+        "adapters": {
+            "num_adapters": n_adapters,
+            "distribution": opts.adapter_dist,
+            "powerlaw_alpha": opts.powerlaw_alpha if opts.adapter_dist == "powerlaw" else None,
+            "popularity": [round(w, 4) for w in adapter_weights(
+                n_adapters, opts.adapter_dist, opts.powerlaw_alpha)],  # fmt: skip
+            "requests_per_adapter": requests_per_adapter(assignment, n_adapters),
+            "assignment": assignment,
+            "rank": opts.adapter_rank,
+            "target_modules": list(TARGET_MODULES),
+            "delta_relative_norm": DELTA_RELATIVE_NORM,
+            "content_hashes": content_hashes,
+            "where": "random PEFT adapters in a temporary directory, deleted after the run",
+        },
+        "engine_lora": {**engine_overrides},
+        "baselines": {
+            "hf_max_requests": opts.hf_max_requests,
+            "subset_rule": (
+                "whole batches of each baseline's full-workload plan; per-adapter batches "
+                "round-robin over adapters (fullest first, which favours the baseline); tokens/s "
+                "of the subset taken as the full workload's rate"
+            ),
+            **{
+                mode: {"timed": describe(subsets[mode], lens), "full_plan": describe(plan, lens)}
+                for mode, plan in plans.items()
+            },
+        },
+        "flops_convention": (
+            "as loraplex bench throughput; plus the rank-r LoRA shrink/expand of the seven "
+            "projections per computed token for systems with adapters (padding to max_lora_rank "
+            "not counted)"
+        ),
+        "flops": flops,
+        "runs": [run.to_json() for run in runs],
+        "warnings": warnings,
+        "peak_gflops_measured": [round(p, 2) for p in peaks],
+    }
+    result["summary"] = summarize(runs, flops, max(peaks), opts.num_requests)
+    result["greedy_agreement"] = _agreements(runs)
+    result["engine_lora_stats"] = {
+        k: v for k, v in llm.engine_stats().items() if k.startswith("lora_")
+    }
+
+    out_dir = Path(opts.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"throughput-lora{n_adapters}-{opts.adapter_dist}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if peft is not None:
+        del peft
+        gc.collect()
+    if opts.profile:
+        _profile(result, llm, opts, prompts, lens, loras, out_dir / f"{stem}-profile.txt", say)
+    engine_args = opts.engine
+    del llm
+    gc.collect()
+    if opts.prefix_cache_test:
+        from loraplex.bench.prefix_cache import run_prefix_cache_test
+
+        say(f"prefix caching test: shared {opts.prefix_len}-token prefix ...")
+        result["prefix_cache_test"] = run_prefix_cache_test(
+            model_dir,
+            tokenizer,
+            engine_args,
+            prefix_len=opts.prefix_len,
+            repeats=opts.prefix_repeats,
+            seed=opts.seed,
+            log=say,
+        )
+    _write(result, out_dir, stem, opts)
+    return result
+
+
+def _greedy(lens: list[int]) -> list[Any]:
+    from loraplex.bench.systems import greedy_params
+
+    return greedy_params(lens)
+
+
+def check_lengths(run: RunResult, lens: Sequence[int]) -> str | None:
+    idx = run.indices or range(run.num_requests)
+    expected = sum(lens[i] for i in idx)
+    if run.output_tokens == expected:
+        return None
+    return (
+        f"{run.system} repeat {run.repeat + 1} produced {run.output_tokens} output tokens, "
+        f"expected {expected} (fixed lengths, EOS ignored): the comparison is not like for like"
+    )
+
+
+def summarize(
+    runs: Sequence[RunResult], flops: dict[str, dict[str, int]], peak: float, num_requests: int
+) -> dict[str, Any]:
+    per: dict[str, dict[str, Any]] = {}
+    for system in SYSTEMS:
+        mine = [r for r in runs if r.system == system]
+        if not mine:
+            continue
+        rates = [r.tokens_per_s for r in mine]
+        gflops = [flops[system]["total"] / r.seconds / 1e9 if r.seconds > 0 else 0.0 for r in mine]
+        entry: dict[str, Any] = {
+            "requests": mine[0].num_requests,
+            "extrapolated": mine[0].num_requests < num_requests,
+            "per_repeat_tokens_per_s": [round(v, 3) for v in rates],
+            "median_tokens_per_s": round(statistics.median(rates), 3),
+            "per_repeat_gflops": [round(v, 3) for v in gflops],
+            "median_gflops": round(statistics.median(gflops), 3),
+            "mfu": round(statistics.median(gflops) / peak, 5),
+        }
+        if system.startswith("loraplex"):
+            for key in ("lora_slot_loads", "lora_disk_loads", "prefix_cache_hits"):
+                entry[key] = [r.engine.get(key) for r in mine]
+            entry["preemptions"] = [r.engine.get("num_preemptions") for r in mine]
+        per[system] = entry
+
+    def ratio(a: str, b: str) -> tuple[float | None, list[float]]:
+        if a not in per or b not in per or per[b]["median_tokens_per_s"] <= 0:
+            return None, []
+        x, y = per[a]["per_repeat_tokens_per_s"], per[b]["per_repeat_tokens_per_s"]
+        paired = [round(u / v, 3) for u, v in zip(x, y, strict=True) if v > 0]
+        return round(per[a]["median_tokens_per_s"] / per[b]["median_tokens_per_s"], 3), paired
+
+    peft = [s for s in ("peft_static", "peft_mixed") if s in per]
+    best = max(peft, key=lambda s: per[s]["median_tokens_per_s"]) if peft else None
+    speedup, speedup_paired = ratio("loraplex", best) if best else (None, [])
+    overhead, overhead_paired = ratio("loraplex", "loraplex_base")
+    return {
+        "peak_gflops": round(peak, 2),
+        "systems": per,
+        "best_peft": best,
+        "speedup_vs_best_peft": speedup,
+        "per_repeat_speedup_vs_best_peft": speedup_paired,
+        "speedup_vs_each_peft": {s: ratio("loraplex", s)[0] for s in peft},
+        "lora_with_over_without": overhead,
+        "per_repeat_lora_with_over_without": overhead_paired,
+        "targets": TARGETS,
+        "targets_met": {
+            "speedup_vs_best_peft": None if speedup is None else speedup >= TARGETS[
+                "speedup_vs_best_peft"],  # fmt: skip
+            "lora_with_over_without": None if overhead is None else overhead >= TARGETS[
+                "lora_with_over_without"],  # fmt: skip
+        },
+    }
+
+
+def _agreements(runs: Sequence[RunResult]) -> dict[str, Any]:
+    """Greedy outputs of the last repeat: loraplex against PEFT on the baseline's requests (the
+    same adapters should give nearly the same tokens) and against itself without adapters (the
+    adapters must change them)."""
+    last: dict[str, RunResult] = {r.system: r for r in runs}
+    lp = last.get("loraplex")
+    if lp is None:
+        return {}
+    out: dict[str, Any] = {}
+    for other in ("peft_static", "peft_mixed", "loraplex_base"):
+        run = last.get(other)
+        if run is None:
+            continue
+        idx = run.indices or list(range(run.num_requests))
+        out[f"loraplex_vs_{other}"] = greedy_agreement([lp.outputs[i] for i in idx], run.outputs)
+    return out
+
+
+def _profile(
+    result: dict[str, Any],
+    llm: Any,
+    opts: ThroughputOptions,
+    prompts: list[list[int]],
+    lens: list[int],
+    loras: list[Any],
+    path: Path,
+    say: Log,
+) -> None:
+    from loraplex.bench.profile import profile_loraplex
+
+    _reset_prefix_cache(llm, opts)
+    n = min(opts.profile_requests, opts.num_requests)
+    say(f"profiling loraplex with adapters on {n} requests ...")
+    print(profile_loraplex(llm, prompts[:n], lens[:n], path, lora_requests=loras[:n]))
+    result["profile"] = {"requests": n, "table": str(path)}
+
+
+def _write(result: dict[str, Any], out_dir: Path, stem: str, opts: ThroughputOptions) -> None:
+    from loraplex.bench import report
+
+    json_path = out_dir / f"{stem}.json"
+    print()
+    print(report.multi_lora_table(result))
+    if "prefix_cache_test" in result:
+        print()
+        print(report.prefix_table(result["prefix_cache_test"]))
+    plot_note = report.write_multi_lora_plot(result, out_dir / f"{stem}.png")
+    result["plot"] = plot_note or str(out_dir / f"{stem}.png")
+    report.write_json(result, json_path)
+    print()
+    print(f"results: {json_path}")
+    print(f"plot: {plot_note}" if plot_note else f"plot: {out_dir / f'{stem}.png'}")
+    print(f"reproduce: {opts.command_line()}")
