@@ -22,7 +22,12 @@ from loraplex.engine.models.loader import (
     resolve_device,
     resolve_dtype,
 )
-from loraplex.engine.records import RunnerOutput, SchedulerOutput, TokenLogprobs
+from loraplex.engine.records import (
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from loraplex.engine.sampler import Sampler, SampleRow
 
 logger = logging.getLogger(__name__)
@@ -123,8 +128,9 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def _layout(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, BatchLayout]:
-        reqs = out.requests
+    def _layout(
+        self, reqs: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, BatchLayout]:
         bs = self.block_size
         qlens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=len(reqs))
         starts = np.fromiter((r.start_pos for r in reqs), dtype=np.int64, count=len(reqs))
@@ -156,9 +162,11 @@ class ModelRunner:
         layout = BatchLayout(qlens, starts, table, slot_t, bs)
         return ids_t, pos_t, layout
 
-    def _lora_step(self, out: SchedulerOutput, layout: BatchLayout) -> AbstractContextManager[None]:
+    def _lora_step(
+        self, out: SchedulerOutput, reqs: list[ScheduledRequest], layout: BatchLayout
+    ) -> AbstractContextManager[None]:
         """Slot weights and token -> slot metadata for this step; nothing when no token needs it."""
-        slots = np.fromiter((r.lora_slot for r in out.requests), dtype=np.int64)  # [B]
+        slots = np.fromiter((r.lora_slot for r in reqs), dtype=np.int64)  # [B]
         if self.lora is None or not (slots >= 0).any():
             return nullcontext()
         self.lora.activate(out.lora_slots)
@@ -176,16 +184,20 @@ class ModelRunner:
             raise RuntimeError("call init_kv_cache() before execute()")
         self.attn.copy_blocks(self.kv_cache, out.blocks_to_copy)
 
-        input_ids, positions, layout = self._layout(out)
+        reqs = out.requests
+        if self.lora is not None and out.lora_slots:
+            # Rows grouped by adapter slot: the LoRA kernels then see contiguous segments.
+            reqs = sorted(reqs, key=lambda r: r.lora_slot)
+        input_ids, positions, layout = self._layout(reqs)
         metadata = self.attn.build_metadata(layout)
-        with self._lora_step(out, layout):
+        with self._lora_step(out, reqs, layout):
             hidden = self.model(input_ids, positions, metadata)  # [T, hidden]
 
         last_row = np.cumsum(layout.query_lens) - 1  # [B]
         row_of: dict[str, int] = {}
         rows: list[SampleRow] = []
         index: list[int] = []
-        for i, r in enumerate(out.requests):
+        for i, r in enumerate(reqs):
             row_of[r.request_id] = int(last_row[i])
             if r.sample:
                 rows.append(
