@@ -1,0 +1,110 @@
+"""The adapter cache through the engine: tiers, LRU host eviction, pinning, removal rules,
+loading adapters while requests run, and bad adapters refused at add time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loraplex import LoRARequest, SamplingParams
+from loraplex.lora.adapter import AdapterError
+from loraplex.llm import LLM
+from tests.conftest import make_tiny_model
+from tests.lora.test_lora_equivalence import make_adapter
+
+P = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[str]]:
+    root = tmp_path_factory.mktemp("mgr")
+    model_dir = make_tiny_model(root / "base", "llama", seed=8)
+    adapters = [
+        make_adapter(model_dir, root / f"a{i}", 4, 8, ["q_proj", "v_proj"], seed=i)
+        for i in range(4)
+    ]
+    return model_dir, adapters
+
+
+def test_host_lru_eviction_and_reload_from_disk(env: tuple[str, list[str]]) -> None:
+    model_dir, adapters = env
+    llm = LLM(model_dir, max_loras=1, max_cpu_loras=2, max_model_len=64)
+    mgr = llm.llm_engine.core.runner.lora
+    assert mgr is not None
+    keys = [llm.add_lora(LoRARequest(f"a{i}", p)) for i, p in enumerate(adapters)]
+    assert [mgr.tier_of(k) for k in keys] == ["disk", "disk", "host", "host"]
+    assert mgr.stats.host_evictions == 2
+    ref = llm.generate([[5, 6, 7]], P, lora_request=LoRARequest("a0", adapters[0]), use_tqdm=False)
+    assert mgr.tier_of(keys[0]) == "device"  # reloaded from disk into host, then into slot 0
+    assert mgr.stats.disk_loads == 5
+    # The same output again, served from the slot without copying weights.
+    loads = mgr.stats.slot_loads
+    again = llm.generate(
+        [[5, 6, 7]], P, lora_request=LoRARequest("a0", adapters[0]), use_tqdm=False
+    )
+    assert again[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert mgr.stats.slot_loads == loads
+
+
+def test_pinned_adapters_stay_in_host_memory(env: tuple[str, list[str]]) -> None:
+    model_dir, adapters = env
+    llm = LLM(model_dir, max_loras=1, max_cpu_loras=1, max_model_len=64)
+    engine = llm.llm_engine
+    pinned = engine.core.add_lora("p", adapters[0], pinned=True).content_hash
+    for i in (1, 2):
+        engine.add_lora(f"x{i}", adapters[i])
+    mgr = engine.core.runner.lora
+    assert mgr is not None and mgr.tier_of(pinned) == "host"
+
+
+def test_remove_refused_while_in_use_then_allowed(env: tuple[str, list[str]]) -> None:
+    model_dir, adapters = env
+    llm = LLM(model_dir, max_model_len=64)
+    engine = llm.llm_engine
+    key = engine.add_lora("busy", adapters[1])
+    engine.add_request(
+        "r1", [5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True), lora_key=key
+    )
+    engine.step()
+    with pytest.raises(ValueError, match="in use by 1 request"):
+        engine.remove_lora(key)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.remove_lora(key)
+    with pytest.raises(ValueError, match="not loaded"):
+        engine.add_request("r2", [5, 6, 7], P, lora_key=key)
+
+
+def test_adapter_added_while_requests_run(env: tuple[str, list[str]]) -> None:
+    model_dir, adapters = env
+    llm = LLM(model_dir, max_model_len=64)
+    engine = llm.llm_engine
+    engine.add_request(
+        "base", [5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
+    )
+    engine.step()
+    key = engine.add_lora("late", adapters[2])
+    engine.add_request("lora", [5, 6, 7], P, lora_key=key)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    ref = LLM(model_dir, max_model_len=64).generate(
+        [[5, 6, 7]], P, lora_request=LoRARequest("late", adapters[2]), use_tqdm=False
+    )
+    assert done["lora"] == ref[0].outputs[0].token_ids
+    assert len(done["base"]) == 12
+
+
+def test_bad_adapter_refused_with_its_error(env: tuple[str, list[str]], tmp_path: Path) -> None:
+    model_dir, adapters = env
+    llm = LLM(model_dir, max_model_len=64, max_lora_rank=2)
+    with pytest.raises(AdapterError) as err:
+        llm.generate([[5, 6]], P, lora_request=LoRARequest("big", adapters[0]), use_tqdm=False)
+    assert err.value.code == "rank_too_large"
+    assert not llm.llm_engine.has_unfinished_requests()
+    with pytest.raises(AdapterError) as err:
+        llm.add_lora(LoRARequest("missing", str(tmp_path / "nope")))
+    assert err.value.code == "missing_file"
