@@ -1,0 +1,102 @@
+"""``create_app(client, settings)``: the FastAPI application around an ``EngineClient``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from loraplex.engine.client import EngineClient
+from loraplex.platform.auth import Authenticator, OperatorKeyAuthenticator
+from loraplex.platform.models import ModelResolver
+from loraplex.platform.openai.errors import install_error_handlers
+from loraplex.platform.openai.routes import router
+from loraplex.platform.openai.serving import OpenAIServing, ServingConfig
+from loraplex.platform.request_log import BodyLimitMiddleware, RequestLogMiddleware
+
+
+class ServerSettings(BaseSettings):
+    """The HTTP server's settings; environment variables ``LORAPLEX_<NAME>`` override them."""
+
+    model_config = SettingsConfigDict(env_prefix="LORAPLEX_", extra="ignore", frozen=True)
+
+    served_model_name: str | None = Field(
+        None, min_length=1, description="the base model's name in the API (default: its dir name)"
+    )
+    api_key: SecretStr | None = Field(
+        None, description="operator key for 'Authorization: Bearer'; None = open server"
+    )
+    max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    max_n: int = Field(16, ge=1, le=256)
+    max_prompts: int = Field(64, ge=1, le=4096)
+
+
+def load_settings(**overrides: Any) -> ServerSettings:
+    """Settings from the environment, then ``overrides`` (CLI flags; None values are skipped)."""
+    return ServerSettings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def create_app(
+    client: EngineClient,
+    settings: ServerSettings | None = None,
+    *,
+    own_client: bool = False,
+    tokenizer: Any | None = None,
+    authenticator: Authenticator | None = None,
+) -> FastAPI:
+    """The app serving ``client``.
+
+    ``own_client``: the app's lifespan starts the client and shuts it down (for ``uvicorn.run``);
+    otherwise the caller starts it before serving. ``tokenizer``: the base model's tokenizer
+    (default: loaded from ``client.info.model_dir`` on first use). ``authenticator``: who may
+    call (default: the operator key of ``settings``).
+    """
+    settings = settings or load_settings()
+    key = settings.api_key.get_secret_value() if settings.api_key is not None else None
+    resolver = ModelResolver(settings.served_model_name or "")
+    serving = OpenAIServing(
+        client,
+        resolver,
+        ServingConfig(max_n=settings.max_n, max_prompts=settings.max_prompts),
+        tokenizer,
+    )
+
+    def name_base_model() -> None:
+        if not resolver.base_name:
+            resolver.base_name = Path(client.info.model_dir).name or "model"
+
+    if getattr(client, "info", None) is not None:
+        name_base_model()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if own_client:
+            await client.start()
+        name_base_model()
+        try:
+            yield
+        finally:
+            if own_client:
+                await client.shutdown()
+
+    app = FastAPI(
+        title="loraplex",
+        summary="OpenAI-compatible multi-LoRA inference",
+        lifespan=lifespan,
+        docs_url=None,  # Swagger UI loads from a CDN; the platform serves no third-party assets
+        redoc_url=None,
+    )
+    app.state.settings = settings
+    app.state.serving = serving
+    app.state.authenticator = authenticator or OperatorKeyAuthenticator(key)
+    install_error_handlers(app)
+    app.include_router(router)
+    # Outermost last: the request log wraps the body limit, so a 413 is logged too.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(RequestLogMiddleware)
+    return app

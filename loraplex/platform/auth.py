@@ -1,0 +1,122 @@
+"""Who is calling: an ``Authenticator`` turns the request's credentials into a ``Caller``.
+
+Today there is one: :class:`OperatorKeyAuthenticator`, a single operator API key sent as
+``Authorization: Bearer <key>`` (or no key at all: an open server). Tenancy slots in as another
+``Authenticator`` (``lpx_<id>_<secret>`` keys looked up in the database) returning callers with a
+``tenant_id``, narrower ``scopes`` and a per-tenant ``cache_salt``; routes only ever see ``Caller``.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fastapi import Request
+
+from loraplex.platform.openai.errors import INVALID_REQUEST, PERMISSION, APIError
+
+SCOPE_INFERENCE = "inference"
+SCOPE_ADAPTERS_WRITE = "adapters:write"
+SCOPE_ADMIN = "admin"
+ALL_SCOPES = frozenset({SCOPE_INFERENCE, SCOPE_ADAPTERS_WRITE, SCOPE_ADMIN})
+
+
+@dataclass(frozen=True)
+class Caller:
+    id: str  # stable, loggable: "operator", "anonymous", later "tenant:<id>/key:<public id>"
+    scopes: frozenset[str] = field(default_factory=frozenset)
+    tenant_id: str | None = None  # None: the operator (sees the operator's adapters)
+    key_id: str | None = None  # public part of the key used, for usage rows and audit
+    cache_salt: str = ""  # joins the prefix-cache keys: tenants never share KV blocks
+
+    @property
+    def cache_extra_keys(self) -> tuple[str, ...]:
+        return (f"salt:{self.cache_salt}",) if self.cache_salt else ()
+
+    def has_scope(self, scope: str) -> bool:
+        return scope in self.scopes
+
+
+class Authenticator(Protocol):
+    async def authenticate(self, request: Request) -> Caller:
+        """The caller of ``request``; raises ``APIError`` (401) for missing or bad credentials."""
+        ...
+
+
+def bearer_token(request: Request) -> str | None:
+    """The token of ``Authorization: Bearer <token>``; None when the header is absent."""
+    header = request.headers.get("authorization")
+    if header is None:
+        return None
+    scheme, _, token = header.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise _unauthorized(
+            "The Authorization header is malformed; send 'Authorization: Bearer <your API key>'.",
+            "invalid_authorization_header",
+        )
+    return token.strip()
+
+
+class OperatorKeyAuthenticator:
+    """One operator key, compared in constant time; ``api_key=None`` opens the server."""
+
+    def __init__(self, api_key: str | None) -> None:
+        if api_key is not None and not api_key:
+            raise ValueError("api_key must be a non-empty string, or None for an open server")
+        self._key = api_key.encode() if api_key is not None else None
+
+    async def authenticate(self, request: Request) -> Caller:
+        if self._key is None:
+            return Caller(id="anonymous", scopes=ALL_SCOPES)
+        token = bearer_token(request)
+        if token is None:
+            raise _unauthorized(
+                "No API key given; send it in the header 'Authorization: Bearer <your API key>' "
+                "(the openai client's api_key= does this).",
+                "missing_api_key",
+            )
+        if not hmac.compare_digest(token.encode("utf-8", "surrogatepass"), self._key):
+            raise _unauthorized(
+                f"Incorrect API key provided: {_redact(token)}; check the key you were given.",
+                "invalid_api_key",
+            )
+        return Caller(id="operator", scopes=ALL_SCOPES)
+
+
+def _redact(token: str) -> str:
+    return f"{token[:3]}...{token[-4:]}" if len(token) > 10 else "***"
+
+
+def _unauthorized(message: str, code: str) -> APIError:
+    # OpenAI answers a bad key with type invalid_request_error and code invalid_api_key.
+    return APIError(
+        401, message, type=INVALID_REQUEST, code=code, headers={"WWW-Authenticate": "Bearer"}
+    )
+
+
+async def get_caller(request: Request) -> Caller:
+    """FastAPI dependency: the authenticated caller (``app.state.authenticator`` decides)."""
+    authenticator: Authenticator = request.app.state.authenticator
+    caller = await authenticator.authenticate(request)
+    request.state.caller = caller
+    return caller
+
+
+def require_scope(scope: str) -> Callable[[Request], Coroutine[Any, Any, Caller]]:
+    """FastAPI dependency factory: the caller, who must hold ``scope`` (else 403)."""
+
+    async def dependency(request: Request) -> Caller:
+        caller = await get_caller(request)
+        if not caller.has_scope(scope):
+            raise APIError(
+                403,
+                f"This API key may not do this (it lacks the '{scope}' scope); use a key "
+                "that has it.",
+                type=PERMISSION,
+                code="insufficient_scope",
+            )
+        return caller
+
+    return dependency

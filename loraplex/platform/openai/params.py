@@ -1,0 +1,103 @@
+"""Request fields -> the engine's ``SamplingParams``, with the checks that give each problem a
+400 naming its API field (context length in vLLM's wording, limits, unsupported fields)."""
+
+from __future__ import annotations
+
+from loraplex.platform.openai.errors import APIError, invalid_request
+from loraplex.platform.openai.protocol import MAX_STOP_STRINGS, SamplingFields
+from loraplex.sampling_params import SamplingParams
+
+
+def sampling_params(
+    body: SamplingFields,
+    prompts: list[list[int]],
+    *,
+    prompt_param: str,
+    max_tokens: int | None,
+    tokens_param: str,
+    logprobs: int | None,
+    max_n: int,
+    max_model_len: int,
+) -> SamplingParams:
+    """The engine's ``SamplingParams`` for a request, after the checks that need the prompts'
+    lengths; every problem is a 400 naming the API field."""
+    n = body.n or 1
+    if n > max_n:
+        raise invalid_request(
+            f"n is {n}, more than the {max_n} samples this server makes for one "
+            "request; ask for fewer, or send several requests.",
+            "n",
+        )
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
+    if len(stops) > MAX_STOP_STRINGS:
+        raise invalid_request(
+            f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed.", "stop"
+        )
+    for ids in prompts:
+        check_context(len(ids), max_tokens, max_model_len, prompt_param, tokens_param)
+    try:
+        return SamplingParams(
+            n=n,
+            max_tokens=max_tokens,  # None: until the context is full
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0,
+            seed=body.seed,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0,
+            stop=stops,
+            stop_token_ids=body.stop_token_ids,
+            ignore_eos=bool(body.ignore_eos),
+            logprobs=logprobs,
+            skip_special_tokens=body.skip_special_tokens is not False,
+            include_stop_str_in_output=bool(body.include_stop_str_in_output),
+        )
+    except ValueError as exc:
+        raise params_error(exc, tokens_param) from None
+
+
+def check_context(
+    prompt_len: int, max_tokens: int | None, limit: int, prompt_param: str, tokens_param: str
+) -> None:
+    where = "in the messages" if prompt_param == "messages" else "in the prompt"
+    if prompt_len >= limit:
+        raise invalid_request(
+            f"This model's maximum context length is {limit} tokens. However, your request has "
+            f"{prompt_len} tokens {where}, which leaves no room for the completion. Please "
+            f"reduce the length of the {prompt_param}.",
+            prompt_param,
+            "context_length_exceeded",
+        )
+    if max_tokens is not None and prompt_len + max_tokens > limit:
+        raise invalid_request(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} {where}, {max_tokens} in the "
+            f"completion). Please reduce the length of the {prompt_param} or set {tokens_param} "
+            f"to at most {limit - prompt_len}.",
+            tokens_param,
+            "context_length_exceeded",
+        )
+
+
+def params_error(exc: ValueError, tokens_param: str) -> APIError:
+    """``SamplingParams.top_p must be ...`` -> 400 with ``param`` top_p."""
+    message = str(exc)
+    param = None
+    if message.startswith("SamplingParams."):
+        message = message.removeprefix("SamplingParams.")
+        param = message.split(" ", 1)[0]
+        if param == "max_tokens":
+            param = tokens_param
+            message = tokens_param + message.removeprefix("max_tokens")
+    return invalid_request(sentence(message), param, "invalid_value")
+
+
+def refuse(condition: bool, param: str, why: str) -> None:
+    if condition:
+        raise invalid_request(f"{why}; remove '{param}' from the request.", param, "unsupported")
+
+
+def sentence(message: str) -> str:
+    return message if message.endswith(".") else message + "."

@@ -1,0 +1,231 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic).
+
+Requests ignore unknown fields, as OpenAI does. Numbers and booleans are strict (``"n": true``,
+``"temperature": "hot"`` and ``"max_tokens": 16.5`` are 400s, not coerced); floats must be finite;
+every string must be valid Unicode (a lone surrogate escape such as ``"\\ud800"`` is refused here,
+before it reaches the tokenizer). Fields marked "extension" are vLLM's, not OpenAI's.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
+
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+_INT64 = 2**63
+
+
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"holds a lone surrogate at character {exc.start}; send valid Unicode text"
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]  # accepts JSON integers, refuses strings and booleans
+Bool = Annotated[bool, Strict()]
+TokenIds = list[Int]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
+    include_usage: Bool | None = False
+
+
+class SamplingFields(_Request):
+    """What completions and chat completions share."""
+
+    model: Text = Field(min_length=1, max_length=256)
+    max_tokens: Int | None = Field(None, ge=1)
+    temperature: Float | None = Field(None, ge=0.0)
+    top_p: Float | None = Field(None, gt=0.0, le=1.0)
+    n: Int | None = Field(None, ge=1)
+    stream: Bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: Text | list[Text] | None = None
+    seed: Int | None = Field(None, ge=-_INT64, lt=_INT64)
+    presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Any] | None = None  # refused when non-empty: not supported
+    user: Text | None = Field(None, max_length=256)
+    # extensions
+    top_k: Int | None = Field(None, ge=-1)
+    min_p: Float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: Float | None = Field(None, gt=0.0)
+    stop_token_ids: list[Int] | None = None
+    ignore_eos: Bool | None = False
+    skip_special_tokens: Bool | None = True
+    include_stop_str_in_output: Bool | None = False
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Text | list[Text] | TokenIds | list[TokenIds]
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: Bool | None = False  # refused when true: not supported
+    suffix: Text | None = None  # refused when set: not supported
+    best_of: Int | None = Field(None, ge=1)  # only best_of == n
+
+
+class ContentPart(_Request):
+    type: Text
+    text: Text | None = None
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
+    tool_call_id: Text | None = None
+
+
+class ResponseFormat(_Request):
+    type: Text
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: Int | None = Field(None, ge=1)
+    logprobs: Bool | None = False
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None  # refused when non-empty: not supported
+    functions: list[Any] | None = None  # refused when non-empty: not supported
+    response_format: ResponseFormat | None = None  # only {"type": "text"}
+    # extension: end the prompt with the assistant's turn opener (the template's generation
+    # prompt); false continues the last message instead.
+    add_generation_prompt: Bool | None = True
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "loraplex"
+    parent: str | None = None  # the base model of an adapter; None for the base model
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---- operator endpoints ----------------------------------------------------------------------
+
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$"
+
+
+class LoadLoRARequest(_Request):
+    lora_name: Text = Field(pattern=ADAPTER_NAME_PATTERN)
+    lora_path: Text = Field(min_length=1, max_length=4096)
+    pinned: Bool | None = False
+
+
+class UnloadLoRARequest(_Request):
+    lora_name: Text = Field(min_length=1, max_length=256)
+
+
+class AdapterCard(BaseModel):
+    object: Literal["lora_adapter"] = "lora_adapter"
+    id: str
+    parent: str
+    key: str  # the adapter's content hash
+    rank: int
+    target_modules: list[str]
+    size_bytes: int
+
+
+class Deleted(BaseModel):
+    id: str
+    object: Literal["lora_adapter"] = "lora_adapter"
+    deleted: bool = True
+
+
+class Health(BaseModel):
+    status: Literal["ok", "unhealthy"]
+    engine: dict[str, Any]
+
+
+class Version(BaseModel):
+    version: str

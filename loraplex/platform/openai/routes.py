@@ -1,0 +1,176 @@
+"""The OpenAI-compatible endpoints, health, version, and the operator's adapter endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+from importlib import metadata
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
+
+from loraplex.engine.client import EngineClient
+from loraplex.platform.auth import SCOPE_ADAPTERS_WRITE, SCOPE_INFERENCE, Caller, require_scope
+from loraplex.platform.models import ModelEntry, ModelResolver
+from loraplex.platform.openai.errors import APIError, model_not_found
+from loraplex.platform.openai.protocol import (
+    AdapterCard,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    Deleted,
+    Health,
+    LoadLoRARequest,
+    ModelCard,
+    ModelList,
+    UnloadLoRARequest,
+    Version,
+)
+from loraplex.platform.openai.serving import OpenAIServing
+from loraplex.platform.request_log import request_record
+
+router = APIRouter()
+
+inference_caller = Depends(require_scope(SCOPE_INFERENCE))
+adapter_writer = Depends(require_scope(SCOPE_ADAPTERS_WRITE))
+
+_HEALTH_STATS = (
+    "num_running",
+    "num_waiting",
+    "num_inflight",
+    "kv_cache_usage",
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "num_preemptions",
+    "engine_restarts",
+)
+
+
+def _serving(request: Request) -> OpenAIServing:
+    serving: OpenAIServing = request.app.state.serving
+    return serving
+
+
+def _card(entry: ModelEntry, max_model_len: int) -> ModelCard:
+    return ModelCard(
+        id=entry.name, created=entry.created, parent=entry.parent, max_model_len=max_model_len
+    )
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def list_models(request: Request, caller: Caller = inference_caller) -> ModelList:
+    serving = _serving(request)
+    limit = serving.client.info.max_model_len
+    return ModelList(data=[_card(e, limit) for e in serving.resolver.list_models(caller)])
+
+
+@router.get("/v1/models/{name:path}", response_model=ModelCard)
+async def retrieve_model(
+    name: str, request: Request, caller: Caller = inference_caller
+) -> ModelCard:
+    serving = _serving(request)
+    for entry in serving.resolver.list_models(caller):
+        if entry.name == name:
+            return _card(entry, serving.client.info.max_model_len)
+    raise model_not_found(name)
+
+
+@router.post("/v1/completions", response_model=CompletionResponse)
+async def create_completion(
+    body: CompletionRequest, request: Request, response: Response, caller: Caller = inference_caller
+) -> CompletionResponse | Response:
+    result = await _serving(request).completions(body, caller, request)
+    response.headers["X-Request-Id"] = request_record(request).request_id or ""
+    return result
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+async def create_chat_completion(
+    body: ChatCompletionRequest,
+    request: Request,
+    response: Response,
+    caller: Caller = inference_caller,
+) -> ChatCompletionResponse | Response:
+    result = await _serving(request).chat(body, caller, request)
+    response.headers["X-Request-Id"] = request_record(request).request_id or ""
+    return result
+
+
+@router.post("/v1/load_lora_adapter", response_model=AdapterCard)
+async def load_lora_adapter(
+    body: LoadLoRARequest, request: Request, caller: Caller = adapter_writer
+) -> AdapterCard:
+    serving = _serving(request)
+    resolver: ModelResolver = serving.resolver
+    request_record(request).caller = caller.id
+    async with resolver.lock:
+        resolver.check_new_name(body.lora_name)
+        try:
+            info = await serving.client.add_lora(
+                body.lora_name, body.lora_path, pinned=bool(body.pinned)
+            )
+        except ValueError as exc:  # AdapterError (a ValueError with a .code), without torch
+            code = str(getattr(exc, "code", "invalid_adapter"))
+            raise APIError(400, str(exc), param="lora_path", code=code) from None
+        resolver.add_adapter(info)
+    return AdapterCard(
+        id=info.name,
+        parent=resolver.base_name,
+        key=info.key,
+        rank=info.rank,
+        target_modules=list(info.target_modules),
+        size_bytes=info.size_bytes,
+    )
+
+
+@router.post("/v1/unload_lora_adapter", response_model=Deleted)
+async def unload_lora_adapter(
+    body: UnloadLoRARequest, request: Request, caller: Caller = adapter_writer
+) -> Deleted:
+    serving = _serving(request)
+    resolver = serving.resolver
+    request_record(request).caller = caller.id
+    async with resolver.lock:
+        entry = resolver.get_adapter(caller, body.lora_name)
+        if entry is None or entry.adapter is None:
+            raise APIError(
+                404,
+                f"No adapter named {body.lora_name!r} is loaded; GET /v1/models lists them.",
+                param="lora_name",
+                code="adapter_not_found",
+            )
+        try:
+            await serving.client.remove_lora(entry.adapter.key)
+        except ValueError as exc:  # still in use by running requests
+            raise APIError(409, str(exc), param="lora_name", code="adapter_in_use") from None
+        resolver.remove_adapter(body.lora_name)
+    return Deleted(id=body.lora_name)
+
+
+@router.get("/health", response_model=Health)
+async def health(request: Request) -> Health | Response:
+    """200 while the engine serves, 503 otherwise; no credentials needed (load balancers)."""
+    client: EngineClient = _serving(request).client
+    engine: dict[str, object] = {"healthy": client.healthy}
+    healthy = client.healthy
+    if healthy:
+        try:
+            stats = await asyncio.wait_for(client.stats(), timeout=5.0)
+        except Exception as exc:  # a hung or dead engine is exactly what /health reports
+            healthy = False
+            engine.update(healthy=False, error=f"{type(exc).__name__}: {exc}"[:200])
+        else:
+            engine.update({k: stats[k] for k in _HEALTH_STATS if k in stats})
+    body = Health(status="ok" if healthy else "unhealthy", engine=engine)
+    if healthy:
+        return body
+    return JSONResponse(body.model_dump(), status_code=503)
+
+
+@router.get("/version", response_model=Version)
+async def version() -> Version:
+    try:
+        return Version(version=metadata.version("loraplex"))
+    except metadata.PackageNotFoundError:
+        return Version(version="unknown")

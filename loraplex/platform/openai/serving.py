@@ -1,0 +1,504 @@
+"""The completion and chat-completion handlers: resolve the model, render and tokenize the prompt,
+check it against the context, run a ``Generation``, and answer as JSON or as SSE chunks.
+
+Response shapes follow OpenAI's exactly (``cmpl-``/``chatcmpl-`` ids, ``object``, ``created``,
+``model``, ``choices``, ``usage``); stream chunks are built as plain dicts so that fields OpenAI
+sends as ``null`` are sent as ``null``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from fastapi import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from loraplex.engine.client import EngineClient, EngineDeadError
+from loraplex.platform.auth import Caller
+from loraplex.platform.models import ModelResolver, ResolvedModel
+from loraplex.platform.openai import logprobs as lp
+from loraplex.platform.openai.chat import render_chat
+from loraplex.platform.openai.errors import (
+    SERVER_ERROR,
+    APIError,
+    engine_unavailable,
+    invalid_request,
+)
+from loraplex.platform.openai.generation import ChoiceEvent, Generation, GenerationUsage
+from loraplex.platform.openai.params import refuse, sampling_params, sentence
+from loraplex.platform.openai.protocol import (
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    PromptTokensDetails,
+    SamplingFields,
+    Usage,
+)
+from loraplex.platform.openai.sse import DONE, SSEResponse, sse
+from loraplex.platform.request_log import CLIENT_CLOSED, RequestRecord, request_record
+from loraplex.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    max_n: int = 16  # samples per request
+    max_prompts: int = 64  # prompts in one /v1/completions batch
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        client: EngineClient,
+        resolver: ModelResolver,
+        config: ServingConfig,
+        tokenizer: Any | None = None,
+    ) -> None:
+        self.client = client
+        self.resolver = resolver
+        self.config = config
+        self._tokenizer = tokenizer
+        self._tokenizer_lock = asyncio.Lock()
+        self._token_text: dict[int, str] = {}
+
+    async def tokenizer(self) -> Any:
+        """The base model's tokenizer, loaded (in a thread) on first use."""
+        if self._tokenizer is None:
+            async with self._tokenizer_lock:
+                if self._tokenizer is None:
+                    from transformers import AutoTokenizer
+
+                    model_dir = self.client.info.model_dir
+                    self._tokenizer = await anyio.to_thread.run_sync(
+                        AutoTokenizer.from_pretrained, model_dir
+                    )
+        return self._tokenizer
+
+    # ---- /v1/completions ---------------------------------------------------------------------
+
+    async def completions(
+        self, body: CompletionRequest, caller: Caller, request: Request
+    ) -> CompletionResponse | Response:
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        record, model = self._begin(rid, body, caller, request)
+        refuse(bool(body.echo), "echo", "echo is not supported; prepend the prompt yourself")
+        refuse(body.suffix is not None, "suffix", "suffix (insertion) is not supported")
+        refuse(
+            body.best_of is not None and body.best_of != (body.n or 1),
+            "best_of",
+            "best_of is not supported (except equal to n); use n to get several completions",
+        )
+        tokenizer = await self.tokenizer()
+        prompts = self._completion_prompts(body, tokenizer)
+        params = self._params(body, prompts, "prompt", body.max_tokens, "max_tokens", body.logprobs)
+        gen = self._open(rid, prompts, params, model, caller, "prompt", tokenizer)
+        created = int(time.time())
+        want_lp = body.logprobs is not None
+        if body.stream:
+            include_usage = _include_usage(body)
+            events = self._completion_stream(gen, rid, created, model, include_usage, want_lp)
+            return SSEResponse(self._guarded(events, gen, record), headers={"X-Request-Id": rid})
+        choices = [_Collected(i) for i in range(gen.num_choices)]
+        if not await self._collect(gen, choices, request, record):
+            return ClientGone()
+        return CompletionResponse(
+            id=rid,
+            created=created,
+            model=model.served_name,
+            choices=[
+                CompletionChoice(
+                    index=c.index,
+                    text=c.text,
+                    logprobs=self._completion_logprobs(c.events, 0) if want_lp else None,
+                    finish_reason=c.finish_reason,
+                )
+                for c in choices
+            ],
+            usage=_usage(gen.usage),
+        )
+
+    def _completion_prompts(self, body: CompletionRequest, tokenizer: Any) -> list[list[int]]:
+        raw = body.prompt
+        single = isinstance(raw, str) or (bool(raw) and isinstance(raw[0], int))
+        items: list[Any] = [raw] if single else list(raw)
+        if not items:
+            raise invalid_request(
+                "prompt is empty; send a string or a list of token ids.", "prompt"
+            )
+        if len(items) > self.config.max_prompts:
+            raise invalid_request(
+                f"prompt holds {len(items)} prompts, more than the {self.config.max_prompts} "
+                "this server takes in one request; split the batch.",
+                "prompt",
+            )
+        prompts = []
+        for i, item in enumerate(items):
+            param = "prompt" if len(items) == 1 else f"prompt[{i}]"
+            ids = list(tokenizer(item).input_ids) if isinstance(item, str) else list(item)
+            if not ids:
+                raise invalid_request(
+                    f"{param} is empty; send at least one token of text.", param, "empty_prompt"
+                )
+            prompts.append(ids)
+        return prompts
+
+    async def _completion_stream(
+        self,
+        gen: Generation,
+        rid: str,
+        created: int,
+        model: ResolvedModel,
+        include_usage: bool,
+        want_logprobs: bool,
+    ) -> AsyncGenerator[str, None]:
+        offsets = [0] * gen.num_choices
+        async with contextlib.aclosing(gen.events()) as events:
+            async for ev in events:
+                logprobs = None
+                if want_logprobs:
+                    logprobs = self._completion_logprobs([ev], offsets[ev.index])
+                offsets[ev.index] += len(ev.text)
+                choice = {
+                    "index": ev.index,
+                    "text": ev.text,
+                    "logprobs": logprobs.model_dump() if logprobs else None,
+                    "finish_reason": ev.finish_reason,
+                }
+                yield sse(_chunk(rid, "text_completion", created, model, [choice], include_usage))
+        if include_usage:
+            yield sse(_usage_chunk(rid, "text_completion", created, model, gen.usage))
+
+    def _completion_logprobs(self, events: list[ChoiceEvent], offset: int) -> CompletionLogprobs:
+        """``offset``: where the first event's text starts in the choice's text. A token's offset
+        is where its event's text starts (a token's own text may be held back or cut)."""
+        out = CompletionLogprobs()
+        for ev in events:
+            for entry in ev.logprobs:
+                out.tokens.append(self._text_of(entry.token_id))
+                out.token_logprobs.append(lp.finite(entry.logprob))
+                out.top_logprobs.append(
+                    {self._text_of(t): lp.finite(v) for t, v in entry.top} or None
+                )
+                out.text_offset.append(offset)
+            offset += len(ev.text)
+        return out
+
+    # ---- /v1/chat/completions ----------------------------------------------------------------
+
+    async def chat(
+        self, body: ChatCompletionRequest, caller: Caller, request: Request
+    ) -> ChatCompletionResponse | Response:
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        record, model = self._begin(rid, body, caller, request)
+        refuse(bool(body.tools), "tools", "tools (function calling) are not supported")
+        refuse(bool(body.functions), "functions", "functions are not supported")
+        refuse(
+            body.response_format is not None and body.response_format.type != "text",
+            "response_format",
+            "only response_format {'type': 'text'} is supported (no JSON mode)",
+        )
+        if body.top_logprobs is not None and not body.logprobs:
+            raise invalid_request(
+                "top_logprobs needs logprobs: true; set it, or drop top_logprobs.",
+                "top_logprobs",
+            )
+        tokenizer = await self.tokenizer()
+        prompt = render_chat(tokenizer, body.messages, bool(body.add_generation_prompt))
+        max_tokens, tokens_param = body.max_tokens, "max_tokens"
+        if body.max_completion_tokens is not None:
+            max_tokens, tokens_param = body.max_completion_tokens, "max_completion_tokens"
+        top_n = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._params(body, [prompt], "messages", max_tokens, tokens_param, top_n)
+        gen = self._open(rid, [prompt], params, model, caller, "messages", tokenizer)
+        created = int(time.time())
+        if body.stream:
+            include_usage = _include_usage(body)
+            events = self._chat_stream(gen, rid, created, model, include_usage, top_n is not None)
+            return SSEResponse(self._guarded(events, gen, record), headers={"X-Request-Id": rid})
+        choices = [_Collected(i) for i in range(gen.num_choices)]
+        if not await self._collect(gen, choices, request, record):
+            return ClientGone()
+        return ChatCompletionResponse(
+            id=rid,
+            created=created,
+            model=model.served_name,
+            choices=[
+                ChatChoice(
+                    index=c.index,
+                    message=ChatResponseMessage(content=c.text),
+                    logprobs=self._chat_logprobs(c.events) if top_n is not None else None,
+                    finish_reason=c.finish_reason,
+                )
+                for c in choices
+            ],
+            usage=_usage(gen.usage),
+        )
+
+    async def _chat_stream(
+        self,
+        gen: Generation,
+        rid: str,
+        created: int,
+        model: ResolvedModel,
+        include_usage: bool,
+        want_logprobs: bool,
+    ) -> AsyncGenerator[str, None]:
+        kind = "chat.completion.chunk"
+        for i in range(gen.num_choices):
+            first = _chat_choice(i, {"role": "assistant", "content": ""}, None, None)
+            yield sse(_chunk(rid, kind, created, model, [first], include_usage))
+        async with contextlib.aclosing(gen.events()) as events:
+            async for ev in events:
+                logprobs = self._chat_logprobs([ev]).model_dump() if want_logprobs else None
+                if not ev.text and not ev.finish_reason and not (logprobs and ev.logprobs):
+                    continue  # tokens whose text is held back (a partial character or stop)
+                delta = {"content": ev.text} if ev.text or logprobs else {}
+                choice = _chat_choice(ev.index, delta, logprobs, ev.finish_reason)
+                yield sse(_chunk(rid, kind, created, model, [choice], include_usage))
+        if include_usage:
+            yield sse(_usage_chunk(rid, kind, created, model, gen.usage))
+
+    def _chat_logprobs(self, events: list[ChoiceEvent]) -> ChatChoiceLogprobs:
+        return ChatChoiceLogprobs(
+            content=[lp.chat_entry(e, self._text_of) for ev in events for e in ev.logprobs]
+        )
+
+    # ---- shared ------------------------------------------------------------------------------
+
+    def _begin(
+        self, rid: str, body: SamplingFields, caller: Caller, request: Request
+    ) -> tuple[RequestRecord, ResolvedModel]:
+        record = request_record(request)
+        record.request_id, record.caller, record.model = rid, caller.id, body.model
+        record.user, record.stream = body.user, bool(body.stream)
+        model = self.resolver.resolve(caller, body.model)
+        record.lora_key = model.lora_key
+        refuse(bool(body.logit_bias), "logit_bias", "logit_bias is not supported")
+        if not self.client.healthy:
+            raise engine_unavailable()
+        return record, model
+
+    def _params(
+        self,
+        body: SamplingFields,
+        prompts: list[list[int]],
+        prompt_param: str,
+        max_tokens: int | None,
+        tokens_param: str,
+        logprobs: int | None,
+    ) -> SamplingParams:
+        return sampling_params(
+            body,
+            prompts,
+            prompt_param=prompt_param,
+            max_tokens=max_tokens,
+            tokens_param=tokens_param,
+            logprobs=logprobs,
+            max_n=self.config.max_n,
+            max_model_len=self.client.info.max_model_len,
+        )
+
+    def _open(
+        self,
+        rid: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        model: ResolvedModel,
+        caller: Caller,
+        prompt_param: str,
+        tokenizer: Any,
+    ) -> Generation:
+        try:
+            return Generation(
+                self.client,
+                tokenizer,
+                rid,
+                prompts,
+                params,
+                lora_key=model.lora_key,
+                cache_extra_keys=caller.cache_extra_keys,
+            )
+        except ValueError as exc:  # the engine's own checks (token ids, KV cache size, adapter)
+            message = str(exc)
+            param = prompt_param if message.startswith("prompt") else None
+            raise invalid_request(sentence(message), param, "invalid_prompt") from None
+
+    async def _collect(
+        self, gen: Generation, choices: list[_Collected], request: Request, record: RequestRecord
+    ) -> bool:
+        """Runs ``gen`` to the end into ``choices``; False when the client left first (the
+        engine request is then aborted)."""
+
+        async def run() -> None:
+            async with contextlib.aclosing(gen.events()) as events:
+                async for ev in events:
+                    choices[ev.index].add(ev)
+
+        try:
+            return await _until_disconnect(request, run)
+        finally:
+            _account(record, gen)
+
+    async def _guarded(
+        self, events: AsyncGenerator[str, None], gen: Generation, record: RequestRecord
+    ) -> AsyncGenerator[str, None]:
+        """SSE events, then ``[DONE]``; an error after the stream started (the engine died, say)
+        becomes a last ``data: {"error": ...}`` event before ``[DONE]``."""
+        try:
+            async with contextlib.aclosing(events) as it:
+                async for chunk in it:
+                    yield chunk
+        except Exception as exc:
+            error = _stream_error(exc)
+            record.error_code = error.code
+            yield sse(error.body())
+        finally:
+            _account(record, gen)
+        yield DONE
+
+    def _text_of(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            assert self._tokenizer is not None
+            text = self._tokenizer.decode([token_id])
+            self._token_text[token_id] = text
+        return text
+
+
+class ClientGone(Response):
+    """The answer to a client that left before its response was ready: nothing is sent (the
+    request log records status 499)."""
+
+    def __init__(self) -> None:
+        super().__init__(status_code=CLIENT_CLOSED)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        return
+
+
+@dataclass
+class _Collected:
+    """One choice of a non-streamed response, gathered from its events."""
+
+    index: int
+    events: list[ChoiceEvent] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, ev: ChoiceEvent) -> None:
+        self.events.append(ev)
+        self.finish_reason = ev.finish_reason or self.finish_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(ev.text for ev in self.events)
+
+
+def _include_usage(body: SamplingFields) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+def _usage(usage: GenerationUsage) -> Usage:
+    return Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+    )
+
+
+def _chunk(
+    rid: str,
+    kind: str,
+    created: int,
+    model: ResolvedModel,
+    choices: list[dict[str, Any]],
+    include_usage: bool,
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": kind,
+        "created": created,
+        "model": model.served_name,
+        "choices": choices,
+    }
+    if include_usage:
+        chunk["usage"] = None  # OpenAI: every chunk but the last has "usage": null
+    return chunk
+
+
+def _usage_chunk(
+    rid: str, kind: str, created: int, model: ResolvedModel, usage: GenerationUsage
+) -> dict[str, Any]:
+    chunk = _chunk(rid, kind, created, model, [], False)
+    chunk["usage"] = _usage(usage).model_dump()
+    return chunk
+
+
+def _chat_choice(
+    index: int, delta: dict[str, str], logprobs: dict[str, Any] | None, finish: str | None
+) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+def _stream_error(exc: Exception) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return engine_unavailable(str(exc) or "it stopped")
+    if isinstance(exc, ValueError):
+        return invalid_request(sentence(str(exc)))
+    logger.exception("internal error in a stream")
+    return APIError(
+        500,
+        "The server failed while streaming this response (a bug, not your input); the "
+        "operator can find the traceback in the server log.",
+        type=SERVER_ERROR,
+        code="internal_error",
+    )
+
+
+def _account(record: RequestRecord, gen: Generation) -> None:
+    record.prompt_tokens = gen.usage.prompt_tokens
+    record.completion_tokens = gen.usage.completion_tokens
+    record.cached_tokens = gen.usage.cached_tokens
+    record.finish_reasons = [f or "none" for f in gen.finish_reasons]
+
+
+async def _until_disconnect(request: Request, work: Callable[[], Awaitable[None]]) -> bool:
+    """Runs ``work``; cancels it when the client disconnects first (returns False then).
+    Exceptions of ``work`` propagate unchanged (not wrapped in an ExceptionGroup)."""
+    task = asyncio.ensure_future(work())
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        return False
+    task.result()  # re-raises what ``work`` raised
+    return True
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,169 @@
+"""Per-request bookkeeping at the ASGI level: one structured log line per API request, and the
+request-body size limit.
+
+``RequestLogMiddleware`` puts a ``RequestRecord`` in the request state before routing;
+handlers fill in what they know (model, token counts, finish reasons). The line is written when
+the response's last byte is sent, or when the client goes away mid-stream (status 499), so a
+streaming request is logged with its final token counts. Usage rows and metrics hook in here too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from loraplex.platform.openai.errors import APIError
+
+logger = logging.getLogger("loraplex.platform.requests")
+
+CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection first"
+
+
+@dataclass
+class RequestRecord:
+    method: str
+    path: str
+    start: float = field(default_factory=time.perf_counter)
+    request_id: str | None = None
+    caller: str | None = None
+    model: str | None = None
+    lora_key: str | None = None
+    user: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    stream: bool = False
+    finish_reasons: list[str] = field(default_factory=list)
+    status: int | None = None
+    error_code: str | None = None
+
+    def as_log(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "method": self.method,
+            "path": self.path,
+            "status": self.status,
+            "caller": self.caller,
+            "model": self.model,
+            "user": self.user,
+            "stream": self.stream,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "finish_reasons": self.finish_reasons or None,
+            "error_code": self.error_code,
+            "latency_ms": round((time.perf_counter() - self.start) * 1000, 1),
+        }
+
+
+def request_record(request: Request) -> RequestRecord:
+    """The record of ``request`` (a fresh one where the middleware is not installed)."""
+    record = getattr(request.state, "record", None)
+    if not isinstance(record, RequestRecord):
+        record = RequestRecord(request.method, request.url.path)
+        request.state.record = record
+    return record
+
+
+class RequestLogMiddleware:
+    """Logs one JSON line per HTTP request to ``loraplex.platform.requests`` (``/health`` at
+    DEBUG, so probes do not flood the log)."""
+
+    def __init__(self, app: ASGIApp, quiet_paths: tuple[str, ...] = ("/health",)) -> None:
+        self.app = app
+        self.quiet_paths = quiet_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        record = RequestRecord(scope["method"], scope["path"])
+        scope.setdefault("state", {})["record"] = record
+        done = False
+
+        async def send_logged(message: Message) -> None:
+            nonlocal done
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                done = True
+
+        try:
+            await self.app(scope, receive, send_logged)
+        except BaseException:
+            if record.status is None or record.status < 400:
+                record.status = 500 if record.status is None else CLIENT_CLOSED
+            raise
+        finally:
+            if not done and (record.status is None or record.status < 400):
+                record.status = CLIENT_CLOSED
+            level = logging.DEBUG if scope["path"] in self.quiet_paths else logging.INFO
+            logger.log(level, json.dumps(record.as_log()))
+
+
+class BodyLimitMiddleware:
+    """Refuses request bodies over ``max_bytes`` with 413 in the API's error envelope.
+
+    Reads the body ahead of the app (the API's bodies are small JSON documents) and replays it;
+    after the body, ``receive`` passes through, so handlers still see ``http.disconnect``.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # a disconnect: let the app see it
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                break
+        replay: list[Message] = [message]
+
+        async def replayed() -> Message:
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replayed, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = APIError(
+            413,
+            f"The request body is larger than this server accepts ({self.max_bytes} bytes); "
+            "send a shorter prompt or fewer messages.",
+            code="request_too_large",
+        )
+        await error.response()(scope, receive, send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None

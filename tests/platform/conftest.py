@@ -1,0 +1,92 @@
+"""Fixtures for the HTTP API: a tokenizer with a chat template, the fake engine, the app."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from loraplex.platform.app import ServerSettings, create_app
+from tests.conftest import TINY_VOCAB, _write_tokenizer
+from tests.platform.fakes import FakeEngineClient
+
+API_KEY = "sk-test-operator-key-0123456789"
+
+# Each message becomes "t3 <content> t4"; the generation prompt is "t5". Tool messages are
+# refused, as some real templates refuse roles they do not know.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}{{ raise_exception('tool messages are not supported') }}"
+    "{% endif %}t3 {{ m['content'] }} t4 "
+    "{% endfor %}{% if add_generation_prompt %}t5{% endif %}"
+)
+
+
+def add_chat_template(model_dir: str | Path) -> None:
+    path = Path(model_dir) / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    path.write_text(json.dumps(config))
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("models") / "tiny-chat"
+    _write_tokenizer(path, TINY_VOCAB)
+    add_chat_template(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture
+def fake(tokenizer_dir: str) -> FakeEngineClient:
+    return FakeEngineClient(model_dir=tokenizer_dir)
+
+
+def make_app(fake: FakeEngineClient, tokenizer: Any, **settings: Any) -> Any:
+    return create_app(fake, ServerSettings(**settings), tokenizer=tokenizer)
+
+
+@pytest.fixture
+async def api(fake: FakeEngineClient, tokenizer: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """An open server (no key) on the fake engine."""
+    app = make_app(fake, tokenizer, max_request_bytes=64 * 1024)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        yield client
+
+
+@pytest.fixture
+async def keyed_api(fake: FakeEngineClient, tokenizer: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """A server guarded by the operator key ``API_KEY``."""
+    app = make_app(fake, tokenizer, api_key=API_KEY)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        yield client
+
+
+def sse_events(text: str) -> list[Any]:
+    """The ``data:`` payloads of an SSE body, JSON-decoded (``[DONE]`` stays a string)."""
+    events: list[Any] = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        data = block.removeprefix("data: ")
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events

@@ -1,0 +1,151 @@
+"""A scripted ``EngineClient`` for API tests: no model, deterministic tokens, recorded calls."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loraplex.engine.client import (
+    AdapterInfo,
+    EngineClient,
+    EngineDeadError,
+    EngineInfo,
+    RequestDelta,
+    validate_prompt,
+)
+from loraplex.engine.records import TokenLogprobs
+from loraplex.sampling_params import SamplingParams
+
+EOS = 2
+FIRST_TOKEN = 10  # unseeded samples count up from here: t10 t11 t12 ...
+
+
+@dataclass
+class Submitted:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lora_key: str | None
+    cache_extra_keys: tuple[str, ...]
+
+
+@dataclass
+class FakeEngineClient(EngineClient):
+    """Sample ``j`` of a request emits one token per step: with a seed, tokens drawn from
+    ``Random(seed + j)``; without, ``FIRST_TOKEN + step`` (plus ``100 * j``). ``eos_after``
+    ends samples with EOS after that many tokens; ``die_after`` raises ``EngineDeadError`` after
+    that many tokens; ``step_delay`` sleeps between tokens."""
+
+    model_dir: str
+    max_model_len: int = 64
+    vocab_size: int = 512
+    eos_after: int | None = None
+    die_after: int | None = None
+    step_delay: float = 0.0
+    alive: bool = True
+    submitted: list[Submitted] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    adapters: dict[str, AdapterInfo] = field(default_factory=dict)
+    started: bool = False
+
+    def __post_init__(self) -> None:
+        self.info = EngineInfo(
+            model_dir=self.model_dir,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            eos_token_ids=(EOS,),
+            block_size=16,
+            num_blocks=64,
+        )
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        self.started = False
+
+    @property
+    def healthy(self) -> bool:
+        return self.alive
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        lora_key: str | None = None,
+        cache_extra_keys: tuple[str, ...] = (),
+    ) -> AsyncIterator[RequestDelta]:
+        if not self.alive:
+            raise EngineDeadError("the fake engine is dead")
+        validate_prompt(self.info, prompt_token_ids)
+        if lora_key is not None and lora_key not in self.adapters:
+            raise ValueError(f"adapter {lora_key[:12]} is not loaded; add it first")
+        sub = Submitted(request_id, list(prompt_token_ids), params, lora_key, cache_extra_keys)
+        return self._run(sub)
+
+    async def _run(self, sub: Submitted) -> AsyncIterator[RequestDelta]:
+        self.submitted.append(sub)
+        params = sub.params
+        n = params.n
+        limit = self.max_model_len - len(sub.prompt_token_ids)
+        max_tokens = min(params.max_tokens or limit, limit)
+        rngs = [
+            random.Random(params.seed + j) if params.seed is not None else None for j in range(n)
+        ]
+        done = [False] * n
+        step = 0
+        try:
+            while not all(done):
+                await asyncio.sleep(self.step_delay)
+                if self.die_after is not None and step >= self.die_after:
+                    raise EngineDeadError("the fake engine died mid-request")
+                for j in range(n):
+                    if done[j]:
+                        continue
+                    rng = rngs[j]
+                    token = rng.randrange(10, 500) if rng else FIRST_TOKEN + step + 100 * j
+                    finish = None
+                    if self.eos_after is not None and step + 1 >= self.eos_after:
+                        token, finish = EOS, "stop"
+                    elif step + 1 >= max_tokens:
+                        finish = "length"
+                    logprobs = None
+                    if params.logprobs is not None:
+                        top = [(token, -0.5), (3, -1.5), (4, float("-inf"))][: params.logprobs]
+                        logprobs = [TokenLogprobs(token, -0.5, 1, top)]
+                    done[j] = finish is not None
+                    yield RequestDelta(sub.request_id, j, [token], logprobs, finish, None, 0)
+                step += 1
+            self.finished.append(sub.request_id)
+        finally:
+            if not all(done):
+                self.aborted.append(sub.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def add_lora(self, name: str, path: str, pinned: bool = False) -> AdapterInfo:
+        from loraplex.lora.adapter import AdapterError
+
+        if not Path(path, "adapter_config.json").is_file():
+            raise AdapterError("missing_file", f"{path} has no adapter_config.json")
+        key = hashlib.sha256(Path(path, "adapter_config.json").read_bytes()).hexdigest()
+        info = AdapterInfo(key, name, 8, ("q_proj", "v_proj"), 4096)
+        self.adapters[key] = info
+        return info
+
+    async def remove_lora(self, key: str) -> None:
+        self.adapters.pop(key, None)
+
+    async def stats(self) -> dict[str, Any]:
+        if not self.alive:
+            raise EngineDeadError("the fake engine is dead")
+        return {"num_running": 0, "num_waiting": 0, "kv_blocks_used": 0, "kv_cache_usage": 0.0}
