@@ -8,10 +8,10 @@ import time
 from typing import Any
 
 from loraplex.config import EngineConfig
-from loraplex.engine.core import EngineCore
+from loraplex.engine.client import build_core_requests, validate_prompt
 from loraplex.engine.default_model import resolve_model_dir
 from loraplex.engine.output_processor import OutputProcessor
-from loraplex.engine.request import Request
+from loraplex.engine.proc_main import load_core
 from loraplex.outputs import RequestOutput
 from loraplex.sampling_params import SamplingParams
 
@@ -32,12 +32,8 @@ class LLMEngine:
         self.config = config
         self.model_dir = resolve_model_dir(config.model.model)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.core = EngineCore(config, self.model_dir)
-        self.eos_token_ids = frozenset(self.core.runner.spec.eos_token_ids) | (
-            frozenset({self.tokenizer.eos_token_id})
-            if self.tokenizer.eos_token_id is not None
-            else frozenset()
-        )
+        self.core, self.info = load_core(config, self.model_dir, self.tokenizer)
+        self.eos_token_ids = frozenset(self.info.eos_token_ids)
         self.processor = OutputProcessor(self.tokenizer)
         self.load_seconds = time.perf_counter() - start
 
@@ -54,28 +50,7 @@ class LLMEngine:
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         """Raise ValueError naming the field for a prompt the engine cannot serve."""
-        if not token_ids:
-            raise ValueError("prompt is empty: send at least one token")
-        vocab = self.core.vocab_size
-        for t in token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(
-                    f"prompt_token_ids holds {t!r}, which is not a token id of this model "
-                    f"(valid ids are integers 0..{vocab - 1})"
-                )
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(token_ids)} tokens long, but this model's context "
-                f"(max_model_len) is {self.max_model_len} tokens, and at least one must be left "
-                "for the output; shorten the prompt"
-            )
-        needed = self.core.kv.blocks_needed(len(token_ids) + 1)
-        if needed > self.core.kv.num_usable_blocks:
-            raise ValueError(
-                f"prompt is {len(token_ids)} tokens long and does not fit in the KV cache "
-                f"({self.core.kv.num_usable_blocks * self.core.kv.block_size} tokens); "
-                "shorten it or give the engine more KV memory"
-            )
+        validate_prompt(self.info, token_ids)
 
     def add_request(
         self,
@@ -112,25 +87,20 @@ class LLMEngine:
     ) -> None:
         """Queue a validated prompt. ``lora_key`` is an added adapter's content hash; it joins
         the prefix-cache extra keys, so adapters (and the base model) never share KV."""
-        if lora_key is not None:
-            if not self.core.has_lora(lora_key):
-                raise ValueError(f"adapter {lora_key[:12]} is not loaded; add it first")
-            cache_extra_keys = (f"lora:{lora_key}", *cache_extra_keys)
+        if lora_key is not None and not self.core.has_lora(lora_key):
+            raise ValueError(f"adapter {lora_key[:12]} is not loaded; add it first")
         if self.processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.processor.add_request(request_id, prompt, token_ids, params, detokenize)
-        for i, sid in enumerate(ids):
-            self.core.add_request(
-                Request(
-                    sid,
-                    token_ids,
-                    params.for_child(i) if params.n > 1 else params,
-                    eos_token_ids=self.eos_token_ids,
-                    cache_extra_keys=cache_extra_keys,
-                    lora_key=lora_key,
-                    parent_id=ids[0] if i else None,
-                )
-            )
+        self.processor.add_request(request_id, prompt, token_ids, params, detokenize)
+        for req in build_core_requests(
+            request_id,
+            token_ids,
+            params,
+            self.eos_token_ids,
+            lora_key=lora_key,
+            cache_extra_keys=cache_extra_keys,
+        ):
+            self.core.add_request(req)
 
     def add_lora(self, name: str, path: str, pinned: bool = False) -> str:
         """Load and validate an adapter; returns its content hash (its key in the engine)."""

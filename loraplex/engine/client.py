@@ -1,0 +1,374 @@
+"""EngineClient: the async interface between the platform (HTTP server) and the engine core.
+
+Two implementations share everything but the transport (``StreamingClient`` below):
+``InprocEngineClient`` steps an ``EngineCore`` in this process; ``ProcEngineClient`` runs it in a
+supervised child process. Clients deal in token ids only: the server tokenizes, detokenizes and
+applies stop strings (calling ``abort`` when one matches).
+
+This module imports no torch, so the server can import it cheaply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from loraplex.engine.output_processor import sample_ids
+from loraplex.engine.records import EngineCoreOutput, TokenLogprobs
+from loraplex.engine.request import Request
+from loraplex.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from loraplex.lora.adapter import LoRAAdapter
+
+__all__ = [
+    "AdapterInfo",
+    "EngineClient",
+    "EngineDeadError",
+    "EngineInfo",
+    "EngineStartupError",
+    "RequestDelta",
+    "StreamingClient",
+    "build_core_requests",
+    "validate_prompt",
+]
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_dir: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    block_size: int
+    num_blocks: (
+        int  # usable KV blocks (the reserved null block excluded), as stats' kv_blocks_total
+    )
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    key: str  # the adapter's content hash: its identity in the engine and in the prefix cache
+    name: str
+    rank: int
+    target_modules: tuple[str, ...]
+    size_bytes: int
+
+    @classmethod
+    def from_adapter(cls, adapter: LoRAAdapter) -> AdapterInfo:
+        return cls(
+            key=adapter.content_hash,
+            name=adapter.name,
+            rank=adapter.rank,
+            target_modules=tuple(adapter.target_modules),
+            size_bytes=adapter.size_bytes,
+        )
+
+
+@dataclass
+class RequestDelta:
+    """One step's news for one sample of a request."""
+
+    request_id: str  # the caller's id
+    index: int  # sample index 0..n-1
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    stop_reason: int | str | None
+    num_cached_tokens: int
+
+
+class EngineDeadError(RuntimeError):
+    """The engine died (or is restarting / shut down): the request is lost; retry it later."""
+
+
+class EngineStartupError(RuntimeError):
+    """The engine could not start (bad model directory, too little KV memory, ...)."""
+
+
+class EngineClient(ABC):
+    info: EngineInfo  # available after start()
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop accepting; let in-flight requests finish up to ``timeout``, abort the rest, stop
+        the engine. Idempotent."""
+
+    @abstractmethod
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        lora_key: str | None = None,
+        cache_extra_keys: tuple[str, ...] = (),
+    ) -> AsyncGenerator[RequestDelta, None]:
+        """Yield deltas until every sample finished. Bad input raises ``ValueError`` at the call;
+        a dead engine ``EngineDeadError``. When the consumer stops iterating (``aclose``,
+        cancellation) the request is aborted in the engine at once and its KV blocks freed."""
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Abort every unfinished sample; each yields a last delta with finish_reason "abort"."""
+
+    @abstractmethod
+    async def add_lora(self, name: str, path: str, pinned: bool = False) -> AdapterInfo:
+        """Load and validate an adapter; raises ``AdapterError`` (with its ``code``) when bad."""
+
+    @abstractmethod
+    async def remove_lora(self, key: str) -> None: ...
+
+    @abstractmethod
+    async def stats(self) -> dict[str, Any]:
+        """``EngineCore.stats()`` plus ``num_inflight`` and ``engine_restarts``."""
+
+    @property
+    @abstractmethod
+    def healthy(self) -> bool: ...
+
+
+def validate_prompt(info: EngineInfo, token_ids: list[int]) -> None:
+    """Raise ValueError naming the field for a prompt the engine cannot serve.
+
+    Same rules and messages as ``LLMEngine.validate_prompt``, from ``EngineInfo`` alone.
+    """
+    if not token_ids:
+        raise ValueError("prompt is empty: send at least one token")
+    vocab = info.vocab_size
+    for t in token_ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+            raise ValueError(
+                f"prompt_token_ids holds {t!r}, which is not a token id of this model "
+                f"(valid ids are integers 0..{vocab - 1})"
+            )
+    if len(token_ids) >= info.max_model_len:
+        raise ValueError(
+            f"prompt is {len(token_ids)} tokens long, but this model's context "
+            f"(max_model_len) is {info.max_model_len} tokens, and at least one must be left "
+            "for the output; shorten the prompt"
+        )
+    if -(-(len(token_ids) + 1) // info.block_size) > info.num_blocks:
+        raise ValueError(
+            f"prompt is {len(token_ids)} tokens long and does not fit in the KV cache "
+            f"({info.num_blocks * info.block_size} tokens); "
+            "shorten it or give the engine more KV memory"
+        )
+
+
+def build_core_requests(
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    eos_token_ids: frozenset[int],
+    *,
+    lora_key: str | None,
+    cache_extra_keys: tuple[str, ...],
+) -> list[Request]:
+    """The engine-core requests of one request: one per sample (ids from ``sample_ids``).
+
+    The adapter's content hash joins the prefix-cache extra keys, so adapters (and the base
+    model) never share KV, exactly as in ``LLMEngine.add_tokenized_request``.
+    """
+    if lora_key is not None:
+        cache_extra_keys = (f"lora:{lora_key}", *cache_extra_keys)
+    ids = sample_ids(request_id, params.n)
+    return [
+        Request(
+            sid,
+            list(prompt_token_ids),
+            params.for_child(i) if params.n > 1 else params,
+            eos_token_ids=eos_token_ids,
+            cache_extra_keys=cache_extra_keys,
+            lora_key=lora_key,
+            parent_id=ids[0] if i else None,
+        )
+        for i, sid in enumerate(ids)
+    ]
+
+
+@dataclass(eq=False)
+class _Stream:
+    """The client-side state of one in-flight request."""
+
+    request_id: str
+    queue: asyncio.Queue[RequestDelta | BaseException]
+    unfinished: dict[str, int] = field(default_factory=dict)  # sample id -> index
+
+
+class StreamingClient(EngineClient):
+    """Request bookkeeping shared by both clients; subclasses provide the transport.
+
+    Runs on one event loop. Invariant: a stream is in ``_streams`` (and its unfinished samples in
+    ``_sample_of``) exactly while the engine may still produce outputs for it; finished, aborted
+    and failed streams are removed at once, so late outputs for them are dropped.
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[str, _Stream] = {}
+        self._sample_of: dict[str, _Stream] = {}
+        self._adapters: dict[str, tuple[str, str, bool]] = {}  # key -> (name, path, pinned)
+        self._accepting = True
+        self._idle = asyncio.Event()  # set while no request is in flight
+        self._idle.set()
+        self._started = False
+        self.engine_restarts = 0
+
+    # ---- transport, provided by subclasses -------------------------------------------------
+
+    @abstractmethod
+    def _send_requests(self, requests: list[Request]) -> None:
+        """Hand the requests to the engine (non-blocking)."""
+
+    @abstractmethod
+    def _send_abort(self, sample_ids: list[str]) -> None:
+        """Abort these engine-core requests (non-blocking); their blocks are freed before the
+        engine's next step and before any later call is served."""
+
+    # ---- the public request API ------------------------------------------------------------
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        lora_key: str | None = None,
+        cache_extra_keys: tuple[str, ...] = (),
+    ) -> AsyncGenerator[RequestDelta, None]:
+        self._check_serving()
+        validate_prompt(self.info, prompt_token_ids)
+        if lora_key is not None and lora_key not in self._adapters:
+            raise ValueError(f"adapter {lora_key[:12]} is not loaded; add it first")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        requests = build_core_requests(
+            request_id,
+            prompt_token_ids,
+            params,
+            frozenset(self.info.eos_token_ids),
+            lora_key=lora_key,
+            cache_extra_keys=cache_extra_keys,
+        )
+        return self._run(request_id, requests)
+
+    async def _run(
+        self, request_id: str, requests: list[Request]
+    ) -> AsyncGenerator[RequestDelta, None]:
+        # Submitted on first iteration, so an iterator that is never iterated leaks nothing.
+        self._check_serving()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = _Stream(request_id, asyncio.Queue())
+        for i, req in enumerate(requests):
+            stream.unfinished[req.request_id] = i
+            self._sample_of[req.request_id] = stream
+        self._streams[request_id] = stream
+        self._idle.clear()
+        remaining = len(requests)
+        try:
+            self._send_requests(requests)
+            while remaining:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finish_reason is not None:
+                    remaining -= 1
+                yield item
+        finally:
+            if stream.unfinished:
+                self._abort_stream(stream)
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self._abort_stream(stream)
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._streams)
+
+    def _client_stats(self) -> dict[str, Any]:
+        return {"num_inflight": self.num_inflight, "engine_restarts": self.engine_restarts}
+
+    def _check_serving(self) -> None:
+        if not self._started:
+            raise RuntimeError("the engine client is not started; await start() first")
+        if not self._accepting:
+            raise EngineDeadError("the engine is shutting down; retry on another replica")
+        if not self.healthy:
+            raise EngineDeadError("the engine is not available (restarting); retry shortly")
+
+    # ---- bookkeeping -----------------------------------------------------------------------
+
+    def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
+        """Route one step's outputs to their streams (on the event loop)."""
+        for out in outputs:
+            stream = self._sample_of.get(out.request_id)
+            if stream is None:
+                continue  # aborted or failed meanwhile
+            index = stream.unfinished[out.request_id]
+            if out.finish_reason is not None:
+                del stream.unfinished[out.request_id]
+                del self._sample_of[out.request_id]
+                if not stream.unfinished:
+                    self._forget(stream)
+            stream.queue.put_nowait(
+                RequestDelta(
+                    stream.request_id,
+                    index,
+                    out.new_token_ids,
+                    out.new_logprobs,
+                    out.finish_reason,
+                    out.stop_reason,
+                    out.num_cached_tokens,
+                )
+            )
+
+    def _abort_stream(self, stream: _Stream) -> None:
+        ids = list(stream.unfinished)
+        for sid, index in stream.unfinished.items():
+            self._sample_of.pop(sid, None)
+            stream.queue.put_nowait(
+                RequestDelta(stream.request_id, index, [], None, "abort", None, 0)
+            )
+        stream.unfinished.clear()
+        self._forget(stream)
+        if ids:
+            self._send_abort(ids)
+
+    def _abort_all(self) -> None:
+        for stream in list(self._streams.values()):
+            self._abort_stream(stream)
+
+    def _fail_all(self, message: str) -> None:
+        """Every in-flight request raises ``EngineDeadError(message)``: the engine lost them."""
+        for stream in list(self._streams.values()):
+            self._fail_stream(stream, EngineDeadError(message))
+
+    def _fail_stream(self, stream: _Stream, exc: BaseException) -> None:
+        for sid in stream.unfinished:
+            self._sample_of.pop(sid, None)
+        stream.unfinished.clear()
+        stream.queue.put_nowait(exc)
+        self._forget(stream)
+
+    def _forget(self, stream: _Stream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+        if not self._streams:
+            self._idle.set()
+
+    async def _drain(self, timeout: float) -> None:
+        """Stop accepting; wait up to ``timeout`` for in-flight requests, then abort the rest."""
+        self._accepting = False
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            self._abort_all()

@@ -1,0 +1,160 @@
+"""InprocEngineClient: the engine core in this process, stepped by a background asyncio task.
+
+Each ``core.step()`` runs on the engine's own worker thread so the event loop stays responsive. Every other use
+of the core happens on the event loop while no step runs (``_lock``); request adds and aborts are
+queued and applied before the next step (or the next call), so ``generate``'s cleanup never waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from loraplex.config import EngineConfig
+from loraplex.engine.client import (
+    AdapterInfo,
+    EngineDeadError,
+    EngineStartupError,
+    StreamingClient,
+)
+from loraplex.engine.proc_main import load_core
+from loraplex.engine.request import Request
+
+if TYPE_CHECKING:
+    from loraplex.engine.core import EngineCore
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class InprocEngineClient(StreamingClient):
+    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+        super().__init__()
+        self.config = config
+        self.model_dir = model_dir
+        self._core: EngineCore | None = None
+        self._lock = asyncio.Lock()  # held by each step and by every other use of the core
+        self._wakeup = asyncio.Event()
+        self._pending_adds: list[Request] = []
+        self._pending_aborts: list[str] = []
+        self._task: asyncio.Task[None] | None = None
+        self._dead: str | None = None  # why the step loop stopped, if it crashed
+        self._shutdown: asyncio.Task[None] | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="loraplex-engine")
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        try:
+            self._core, self.info = await self._in_thread(load_core, self.config, self.model_dir)
+        except Exception as exc:
+            raise EngineStartupError(
+                f"could not start the engine on {self.model_dir}: {type(exc).__name__}: {exc}"
+            ) from exc
+        self._started = True
+        self._task = asyncio.create_task(self._step_loop(), name="loraplex-engine-steps")
+
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn`` on the engine's own thread (never queued behind other executor work)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    @property
+    def healthy(self) -> bool:
+        return self._started and self._dead is None and self._shutdown is None
+
+    # ---- transport -------------------------------------------------------------------------
+
+    def _send_requests(self, requests: list[Request]) -> None:
+        self._pending_adds.extend(requests)
+        self._wakeup.set()
+
+    def _send_abort(self, sample_ids: list[str]) -> None:
+        self._pending_aborts.extend(sample_ids)
+        self._wakeup.set()
+
+    def _apply_pending(self, core: EngineCore) -> None:
+        # Adds before aborts: a request aborted right after submission is added, then removed.
+        adds, self._pending_adds = self._pending_adds, []
+        for req in adds:
+            try:
+                core.add_request(req)
+            except Exception as exc:
+                stream = self._sample_of.get(req.request_id)
+                if stream is not None:
+                    self._send_abort(list(stream.unfinished))
+                    self._fail_stream(stream, ValueError(f"{type(exc).__name__}: {exc}"))
+        aborts, self._pending_aborts = self._pending_aborts, []
+        if aborts:
+            core.abort_requests(aborts)
+
+    async def _step_loop(self) -> None:
+        core = self._core
+        assert core is not None
+        while True:
+            self._wakeup.clear()  # before looking at the queues: a later set() is never lost
+            async with self._lock:
+                self._apply_pending(core)
+                busy = core.has_unfinished_requests()
+                if busy:
+                    try:
+                        outputs = await self._in_thread(core.step)
+                    except Exception as exc:
+                        logger.exception("engine step failed; the in-process engine is dead")
+                        self._dead = f"the engine failed: {type(exc).__name__}: {exc}"
+                        self._fail_all(self._dead)
+                        return
+            if busy:
+                self._dispatch(outputs)
+            else:
+                await self._wakeup.wait()
+
+    def _use_core(self) -> EngineCore:
+        """The core, with queued adds/aborts applied; call with ``_lock`` held."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if self._core is None:
+            raise RuntimeError("the engine client is not started; await start() first")
+        self._apply_pending(self._core)
+        return self._core
+
+    # ---- adapters, stats, shutdown ---------------------------------------------------------
+
+    async def add_lora(self, name: str, path: str, pinned: bool = False) -> AdapterInfo:
+        async with self._lock:
+            core = self._use_core()
+            adapter = await self._in_thread(core.add_lora, name, path, pinned)
+        info = AdapterInfo.from_adapter(adapter)
+        self._adapters[info.key] = (name, path, pinned)
+        return info
+
+    async def remove_lora(self, key: str) -> None:
+        async with self._lock:
+            core = self._use_core()
+            core.remove_lora(key)
+        self._adapters.pop(key, None)
+
+    async def stats(self) -> dict[str, Any]:
+        async with self._lock:
+            core = self._use_core()
+            stats = core.stats()
+        return {**stats, **self._client_stats()}
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        if self._shutdown is None:
+            self._shutdown = asyncio.create_task(self._do_shutdown(timeout))
+        await asyncio.shield(self._shutdown)
+
+    async def _do_shutdown(self, timeout: float) -> None:
+        if self._started:
+            await self._drain(timeout)
+        if self._task is not None:
+            async with self._lock:  # the step in flight (if any) completes first
+                if self._core is not None:
+                    self._apply_pending(self._core)
+                self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._core = None
+        self._executor.shutdown(wait=False)

@@ -1,0 +1,244 @@
+"""The engine process: build an ``EngineCore``, then serve the client's commands and step while
+there is work, sending each step's outputs back in one message.
+
+Both ends of the pipe are ours, so messages are pickled dataclasses; tenant data never crosses as
+pickle from outside (adapters cross as paths and are read with safetensors in this process).
+This module imports torch only inside the engine process (and in ``load_core``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any, Literal
+
+from loraplex.config import EngineConfig
+from loraplex.engine.client import AdapterInfo, EngineInfo
+from loraplex.engine.records import EngineCoreOutput
+from loraplex.engine.request import Request
+
+if TYPE_CHECKING:
+    from loraplex.engine.core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+
+# ---- client -> engine ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """An adapter to load at startup (re-added after a restart under the same key)."""
+
+    name: str
+    path: str
+    pinned: bool
+    key: str
+
+
+@dataclass
+class AddRequests:
+    requests: list[Request]
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass
+class Call:
+    call_id: int
+    method: Literal["add_lora", "remove_lora", "stats"]
+    args: tuple[Any, ...]
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+Command = AddRequests | AbortRequests | Call | Shutdown
+
+
+# ---- engine -> client ----------------------------------------------------------------------
+
+
+@dataclass
+class Ready:
+    info: EngineInfo
+    adapters: list[tuple[AdapterSpec, AdapterInfo | str]]  # re-added adapter, or why it failed
+
+
+@dataclass
+class StartupFailed:
+    message: str
+
+
+@dataclass
+class Outputs:
+    outputs: list[EngineCoreOutput]
+
+
+@dataclass
+class Reply:
+    call_id: int
+    value: Any = None
+    error: BaseException | None = None
+
+
+@dataclass
+class RequestFailed:
+    request_id: str  # an engine-core (sample) id
+    message: str
+
+
+Message = Ready | StartupFailed | Outputs | Reply | RequestFailed
+
+
+# ---- the engine side -----------------------------------------------------------------------
+
+
+def load_core(
+    config: EngineConfig, model_dir: str, tokenizer: Any | None = None
+) -> tuple[EngineCore, EngineInfo]:
+    """Build the engine core and describe it. EOS ids: the model's plus the tokenizer's, so
+    every client stops where ``LLM.generate`` stops."""
+    from loraplex.engine.core import EngineCore
+
+    core = EngineCore(config, model_dir)
+    eos = list(core.runner.spec.eos_token_ids)
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        except Exception:  # a directory without a tokenizer still serves token ids
+            tokenizer = None
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(tok_eos, int) and tok_eos not in eos:
+        eos.append(tok_eos)
+    info = EngineInfo(
+        model_dir=model_dir,
+        max_model_len=core.max_model_len,
+        vocab_size=core.vocab_size,
+        eos_token_ids=tuple(eos),
+        block_size=core.kv.block_size,
+        num_blocks=core.kv.num_usable_blocks,
+    )
+    return core, info
+
+
+def call_core(core: EngineCore, method: str, args: tuple[Any, ...]) -> Any:
+    if method == "add_lora":
+        return AdapterInfo.from_adapter(core.add_lora(*args))
+    if method == "remove_lora":
+        return core.remove_lora(*args)
+    if method == "stats":
+        return core.stats()
+    raise ValueError(f"unknown engine call {method!r}")
+
+
+def run_engine(
+    conn: Connection,
+    config: EngineConfig,
+    model_dir: str,
+    adapters: list[AdapterSpec],
+    num_threads: int,
+) -> None:
+    """Entry point of the engine process (``multiprocessing`` spawn target)."""
+    # Ctrl-C reaches the whole process group; the client decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    code = 1
+    try:
+        code = _run(conn, config, model_dir, adapters, num_threads)
+    except (EOFError, OSError):
+        code = 0  # the client went away: nothing left to serve
+    except BaseException:
+        traceback.print_exc()  # a bug in the engine: the client sees EOF and restarts it
+    finally:
+        conn.close()
+        # Only the standard streams need flushing; skipping interpreter teardown (torch's is
+        # slow) makes a clean stop take milliseconds instead of about a second.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _run(
+    conn: Connection,
+    config: EngineConfig,
+    model_dir: str,
+    adapters: list[AdapterSpec],
+    num_threads: int,
+) -> int:
+    try:
+        import torch
+
+        torch.set_num_threads(num_threads)
+        core, info = load_core(config, model_dir)
+    except Exception as exc:
+        conn.send(StartupFailed(f"{type(exc).__name__}: {exc}"))
+        return 1
+    loaded: list[tuple[AdapterSpec, AdapterInfo | str]] = []
+    for spec in adapters:
+        try:
+            loaded.append((spec, call_core(core, "add_lora", (spec.name, spec.path, spec.pinned))))
+        except Exception as exc:
+            loaded.append((spec, f"{type(exc).__name__}: {exc}"))
+    conn.send(Ready(info, loaded))
+    _serve(conn, core)
+    return 0
+
+
+def _serve(conn: Connection, core: EngineCore) -> None:
+    while True:
+        # Idle: block on the pipe (no busy loop). Busy: take what arrived, then step.
+        commands: list[Command] = [] if core.has_unfinished_requests() else [conn.recv()]
+        while conn.poll():
+            commands.append(conn.recv())
+        for cmd in commands:
+            if isinstance(cmd, Shutdown):
+                return
+            _handle(conn, core, cmd)
+        if core.has_unfinished_requests():
+            outputs = core.step()
+            if outputs:
+                conn.send(Outputs(outputs))
+
+
+def _handle(conn: Connection, core: EngineCore, cmd: Command) -> None:
+    if isinstance(cmd, AddRequests):
+        for req in cmd.requests:
+            try:
+                core.add_request(req)
+            except Exception as exc:
+                conn.send(RequestFailed(req.request_id, f"{type(exc).__name__}: {exc}"))
+    elif isinstance(cmd, AbortRequests):
+        core.abort_requests(cmd.request_ids)
+    elif isinstance(cmd, Call):
+        try:
+            reply = Reply(cmd.call_id, value=call_core(core, cmd.method, cmd.args))
+        except Exception as exc:
+            reply = Reply(cmd.call_id, error=exc)
+        try:
+            conn.send(reply)
+        except OSError:
+            raise
+        except Exception as exc:  # a value or exception that does not pickle: send its text
+            why = reply.error if reply.error is not None else exc
+            conn.send(Reply(cmd.call_id, error=RuntimeError(f"{type(why).__name__}: {why}")))
+
+
+def default_num_threads() -> int:
+    """All cores this process may use: the server process mostly waits on I/O."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

@@ -1,0 +1,362 @@
+"""The EngineClient contract, for both clients (in-process and child-process): same tokens as
+``LLM.generate`` under concurrency, n > 1, logprobs, abort / consumer close free every KV block,
+adapters (and AdapterError) through the client, bad input, shutdown while requests run.
+
+One client per kind serves the whole module: it lives on an event loop in a background thread
+(``Harness.run``), so the child process starts once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections.abc import Awaitable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from loraplex import LoRARequest, SamplingParams
+from loraplex.config import CacheConfig, EngineConfig, ModelConfig
+from loraplex.engine.client import EngineClient, EngineDeadError, RequestDelta
+from loraplex.engine.inproc_client import InprocEngineClient
+from loraplex.engine.proc_client import ProcEngineClient
+from loraplex.llm import LLM
+from loraplex.lora.adapter import AdapterError
+from tests.conftest import make_tiny_model
+from tests.lora.test_lora_equivalence import make_adapter
+from tests.reference import TOP, Trace, assert_close, traces
+
+T = TypeVar("T")
+ENGINE = dict(max_model_len=128, block_size=4, num_blocks=200)
+
+
+def engine_config(model_dir: str, **overrides: Any) -> EngineConfig:
+    kw = {**ENGINE, **overrides}
+    return EngineConfig(
+        model=ModelConfig(model=model_dir, max_model_len=kw["max_model_len"]),
+        cache=CacheConfig(block_size=kw["block_size"], num_blocks=kw["num_blocks"]),
+    )
+
+
+def make_client(kind: str, config: EngineConfig, model_dir: str) -> EngineClient:
+    if kind == "proc":
+        return ProcEngineClient(config, model_dir)
+    return InprocEngineClient(config, model_dir)
+
+
+class Harness:
+    """An event loop in a daemon thread; ``run`` executes a coroutine on it and waits."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Awaitable[T], timeout: float = 60.0) -> T:
+        async def wrap() -> T:
+            return await coro
+
+        return asyncio.run_coroutine_threadsafe(wrap(), self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+@dataclass
+class Served:
+    kind: str
+    client: EngineClient
+    harness: Harness
+
+    def run(self, coro: Awaitable[T], timeout: float = 60.0) -> T:
+        return self.harness.run(coro, timeout)
+
+
+def start_client(kind: str, config: EngineConfig, model_dir: str) -> Served:
+    harness = Harness()
+    client = make_client(kind, config, model_dir)
+    harness.run(client.start())
+    return Served(kind, client, harness)
+
+
+def stop_client(served: Served) -> None:
+    try:
+        served.run(served.client.shutdown(timeout=1.0))
+    finally:
+        served.harness.close()
+
+
+async def collect(stream: Any) -> list[RequestDelta]:
+    return [delta async for delta in stream]
+
+
+def sample_tokens(deltas: list[RequestDelta], index: int = 0) -> list[int]:
+    return [t for d in deltas if d.index == index for t in d.new_token_ids]
+
+
+def sample_trace(deltas: list[RequestDelta], index: int = 0) -> Trace:
+    tops = []
+    for d in deltas:
+        if d.index == index:
+            assert d.new_logprobs is not None
+            tops += [{t: v for t, v in lp.top} | {lp.token_id: lp.logprob} for lp in d.new_logprobs]
+    return sample_tokens(deltas, index), tops
+
+
+def finishes(deltas: list[RequestDelta]) -> dict[int, str]:
+    done: dict[int, str] = {}
+    for d in deltas:
+        if d.finish_reason is not None:
+            assert d.index not in done, f"sample {d.index} finished twice"
+            done[d.index] = d.finish_reason
+    return done
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("client") / "m", "llama", seed=5)
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    out = tmp_path_factory.mktemp("client-lora") / "a8"
+    return make_adapter(model_dir, out, 8, 16, ["q_proj", "v_proj", "down_proj"], seed=3)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: str) -> LLM:
+    return LLM(model_dir, **ENGINE)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module", params=["inproc", "proc"])
+def served(request: pytest.FixtureRequest, model_dir: str) -> Iterator[Served]:
+    s = start_client(request.param, engine_config(model_dir), model_dir)
+    yield s
+    stop_client(s)
+
+
+def assert_engine_idle(served: Served) -> None:
+    stats = served.run(served.client.stats())
+    assert stats["kv_blocks_used"] == 0, stats
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+    assert stats["num_inflight"] == 0, stats
+
+
+def workload(seed: int, n: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+    return prompts, [rng.randint(1, 24) for _ in range(n)]
+
+
+def test_concurrent_greedy_with_logprobs_matches_llm(served: Served, llm: LLM) -> None:
+    prompts, max_tokens = workload(seed=1, n=10)
+    params = [SamplingParams(max_tokens=m, temperature=0.0, logprobs=TOP) for m in max_tokens]
+    ref = llm.generate(prompts, params, use_tqdm=False)
+
+    async def go() -> list[list[RequestDelta]]:
+        streams = [
+            collect(served.client.generate(f"g{i}", p, sp))
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+        ]
+        return list(await asyncio.gather(*streams))
+
+    results = served.run(go())
+    ours = [sample_trace(deltas) for deltas in results]
+    assert assert_close(ours, traces(ref)) <= 1
+    for deltas, r in zip(results, ref, strict=True):
+        assert {d.request_id for d in deltas} == {deltas[0].request_id}
+        assert finishes(deltas) == {0: r.outputs[0].finish_reason}
+        lps = r.outputs[0].logprobs
+        assert lps is not None
+        for (tok, top), ref_lp in zip(zip(*sample_trace(deltas), strict=True), lps, strict=False):
+            if tok in ref_lp:
+                assert top[tok] == pytest.approx(ref_lp[tok].logprob, abs=1e-3)
+    assert_engine_idle(served)
+
+
+def test_n2_seeded_samples_match_llm(served: Served, llm: LLM) -> None:
+    prompt = [7, 8, 9, 10, 11, 12, 13]
+    params = SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=12, ignore_eos=True)
+    ref = llm.generate([prompt], params, use_tqdm=False)[0]
+
+    async def go() -> tuple[list[RequestDelta], list[RequestDelta]]:
+        other = collect(served.client.generate("n1", [5, 6], SamplingParams(max_tokens=5)))
+        return await asyncio.gather(collect(served.client.generate("n2", prompt, params)), other)
+
+    deltas, _ = served.run(go())
+    assert finishes(deltas) == {0: "length", 1: "length"}
+    assert sample_tokens(deltas, 0) == ref.outputs[0].token_ids
+    assert sample_tokens(deltas, 1) == ref.outputs[1].token_ids
+    assert sample_tokens(deltas, 0) != sample_tokens(deltas, 1)
+    assert_engine_idle(served)
+
+
+LONG = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+
+
+def test_abort_mid_stream_frees_every_block(served: Served) -> None:
+    client = served.client
+
+    async def go() -> list[RequestDelta]:
+        stream = client.generate(
+            "ab",
+            list(range(3, 40)),
+            SamplingParams(n=2, max_tokens=100, temperature=0.0, ignore_eos=True),
+        )
+        seen: list[RequestDelta] = []
+        async for delta in stream:
+            seen.append(delta)
+            if len(seen) == 3:
+                await client.abort("ab")
+                # The blocks are free before any later call is served.
+                stats = await client.stats()
+                assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0, stats
+        return seen
+
+    seen = served.run(go())
+    assert finishes(seen) == {0: "abort", 1: "abort"}
+    assert len(sample_tokens(seen, 0)) < 100
+    served.run(client.abort("no-such-request"))  # unknown ids are ignored
+    assert_engine_idle(served)
+
+
+def test_consumer_close_or_cancel_aborts(served: Served) -> None:
+    client = served.client
+
+    async def close_early() -> None:
+        stream = client.generate("cl", [5, 6, 7], LONG)
+        n = 0
+        async for _ in stream:
+            n += 1
+            if n == 2:
+                break
+        await stream.aclose()
+        stats = await client.stats()
+        assert stats["kv_blocks_used"] == 0 and stats["num_inflight"] == 0, stats
+
+    async def cancel_consumer() -> None:
+        started = asyncio.Event()
+
+        async def consume() -> None:
+            async for _ in client.generate("cc", [5, 6, 8], LONG):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        stats = await client.stats()
+        assert stats["kv_blocks_used"] == 0 and stats["num_inflight"] == 0, stats
+
+    served.run(close_early())
+    served.run(cancel_consumer())
+    assert_engine_idle(served)
+
+
+def test_adapters_through_the_client(
+    served: Served, llm: LLM, adapter_dir: str, tmp_path: Path
+) -> None:
+    client = served.client
+    prompt = [9, 10, 11, 12, 13]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm.add_lora(LoRARequest("a8", adapter_dir))
+    ref = llm.generate(
+        [prompt], params, lora_request=LoRARequest("a8", adapter_dir), use_tqdm=False
+    )
+
+    info = served.run(client.add_lora("a8", adapter_dir))
+    assert (info.name, info.rank, len(info.key)) == ("a8", 8, 64)
+    assert set(info.target_modules) == {"q_proj", "v_proj", "down_proj"} and info.size_bytes > 0
+    deltas = served.run(collect(client.generate("la", prompt, params, lora_key=info.key)))
+    base = served.run(collect(client.generate("lb", prompt, params)))
+    assert sample_tokens(deltas) == ref[0].outputs[0].token_ids
+    assert sample_tokens(deltas) != sample_tokens(base)
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(AdapterError) as err:
+        served.run(client.add_lora("bad", str(tmp_path / "empty")))
+    assert err.value.code == "missing_file", err.value
+
+    async def remove_while_in_use() -> None:
+        stream = client.generate("lu", prompt, LONG, lora_key=info.key)
+        await stream.__anext__()
+        with pytest.raises(ValueError, match="in use"):
+            await client.remove_lora(info.key)
+        await stream.aclose()
+
+    served.run(remove_while_in_use())
+    served.run(client.remove_lora(info.key))
+    with pytest.raises(ValueError, match="not loaded"):
+        client.generate("lc", prompt, params, lora_key=info.key)
+    assert served.run(client.stats())["lora_registered"] == 0
+    assert_engine_idle(served)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "field"),
+    [([], "prompt"), ([5, 512], "prompt_token_ids"), ([5, -1], "prompt_token_ids"),
+     (list(range(3, 200)), "max_model_len")],
+)  # fmt: skip
+def test_bad_input_raises_at_the_call(served: Served, prompt: list[int], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        served.client.generate("bad", prompt, SamplingParams())
+
+
+def test_duplicate_request_id_is_refused(served: Served) -> None:
+    client = served.client
+
+    async def go() -> None:
+        stream = client.generate("dup", [5, 6], LONG)
+        await stream.__anext__()
+        with pytest.raises(ValueError, match="already in use"):
+            client.generate("dup", [5, 6], LONG)
+        await stream.aclose()
+
+    served.run(go())
+    assert served.client.healthy
+    assert_engine_idle(served)
+
+
+@pytest.mark.parametrize("kind", ["inproc", "proc"])
+def test_shutdown_lets_short_requests_finish_and_aborts_the_rest(kind: str, model_dir: str) -> None:
+    # A long context so that the long requests cannot finish within the shutdown timeout.
+    config = engine_config(model_dir, max_model_len=512, num_blocks=600)
+    served = start_client(kind, config, model_dir)
+    client = served.client
+    long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+
+    async def go() -> tuple[list[list[RequestDelta]], float]:
+        loop = asyncio.get_running_loop()
+        short = asyncio.create_task(
+            collect(client.generate("s", [5], SamplingParams(max_tokens=2)))
+        )
+        longs = [
+            asyncio.create_task(collect(client.generate(f"l{i}", [6, i], long))) for i in range(3)
+        ]
+        await asyncio.sleep(0.05)  # all four submitted
+        start = loop.time()
+        await client.shutdown(timeout=0.5)
+        elapsed = loop.time() - start
+        await client.shutdown()  # idempotent
+        with pytest.raises(EngineDeadError):
+            client.generate("late", [5], SamplingParams())
+        return [short.result(), *await asyncio.gather(*longs)], elapsed
+
+    try:
+        results, elapsed = served.run(go())
+    finally:
+        served.harness.close()
+    assert finishes(results[0]) == {0: "length"}
+    for deltas in results[1:]:
+        assert finishes(deltas) == {0: "abort"}
+        assert 0 < len(sample_tokens(deltas)) < 500
+    assert elapsed < 10
+    assert not client.healthy
+    if isinstance(client, ProcEngineClient):
+        assert client.process is not None and client.process.exitcode == 0
