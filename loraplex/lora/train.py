@@ -69,7 +69,7 @@ _TEMPLATES: list[tuple[str, list[str]]] = [
 
 
 def all_questions() -> list[str]:
-    """Every built-in question, in a fixed order (about 150)."""
+    """Every built-in question, in a fixed order (112)."""
     out = [t.format(x) for t, xs in _TEMPLATES for x in xs]
     out += [f"What is {a} plus {b}?" for a in range(2, 9) for b in (3, 5, 7)]
     return out + _GENERAL
@@ -115,18 +115,25 @@ class TrainConfig:
     steps: int = 150
     seed: int = 0
     num_questions: int = 64
-    max_answer_tokens: int = 48
+    max_answer_tokens: int = 32
     batch_size: int = 4
     lr: float = 1e-3
     rank: int = 8
     alpha: int = 16
+    # torch threads while training (None: torch's default). On an oversubscribed machine one
+    # thread can be 10x faster than two: OpenMP workers spin-wait for a core.
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.behaviour not in BEHAVIOURS:
-            raise ValueError(f"behaviour must be one of {', '.join(BEHAVIOURS)}; got {self.behaviour!r}")
+            raise ValueError(
+                f"behaviour must be one of {', '.join(BEHAVIOURS)}; got {self.behaviour!r}"
+            )
         for name in ("steps", "num_questions", "max_answer_tokens", "batch_size", "rank", "alpha"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be at least 1; got {self.threads}")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive; got {self.lr}")
         if not self.output:
@@ -189,6 +196,18 @@ def collate(examples: Sequence[tuple[list[int], list[int]]], pad_id: int) -> dic
 def train_adapter(config: TrainConfig, progress: bool = True) -> TrainResult:
     """Distill, rewrite, train and save; see the module docstring."""
     import torch
+
+    old_threads = torch.get_num_threads()
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    try:
+        return _train(config, progress)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _train(config: TrainConfig, progress: bool) -> TrainResult:
+    import torch
     from peft import LoraConfig, get_peft_model
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -205,7 +224,9 @@ def train_adapter(config: TrainConfig, progress: bool = True) -> TrainResult:
     for prompt, (text, finished) in zip(prompts, answers, strict=True):
         answer = trim_answer(text, finished)
         if answer is not None:
-            examples.append(tokenize_example(tokenizer, prompt, apply_behaviour(config.behaviour, answer)))
+            examples.append(
+                tokenize_example(tokenizer, prompt, apply_behaviour(config.behaviour, answer))
+            )
     if not examples:
         raise ValueError("the base model gave no usable answer; raise max_answer_tokens")
 
@@ -236,10 +257,12 @@ def train_adapter(config: TrainConfig, progress: bool = True) -> TrainResult:
     rng = random.Random(config.seed)
     order: list[int] = []
     losses: list[float] = []
-    pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    pad_id = int(
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    )
     bar = tqdm(range(config.steps), desc=f"train {config.behaviour}", disable=not progress)
     for _ in bar:
-        batch_idx = []
+        batch_idx: list[int] = []
         while len(batch_idx) < min(config.batch_size, len(examples)):
             if not order:  # a new epoch: every example once, in a seeded order
                 order = rng.sample(range(len(examples)), len(examples))
@@ -284,6 +307,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--max-answer-tokens", type=int, default=TrainConfig.max_answer_tokens)
     p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     a = p.parse_args(argv)
     return TrainConfig(
         output=a.output,
@@ -295,14 +319,17 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         max_answer_tokens=a.max_answer_tokens,
         batch_size=a.batch_size,
         lr=a.lr,
+        threads=a.threads,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from loraplex.engine.default_model import ModelResolutionError
+
     try:
         config = parse_args(argv)
         result = train_adapter(config)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ModelResolutionError) as e:
         print(f"train_adapter: error: {e}", file=sys.stderr)
         return 2
     print(

@@ -1,0 +1,170 @@
+"""``loraplex serve``: the OpenAI-compatible server with the engine in its own supervised process.
+
+Every flag can also be set by environment, ``LORAPLEX_<FLAG>`` (``--max-loras`` ->
+``LORAPLEX_MAX_LORAS``); a flag on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+ENV_PREFIX = "LORAPLEX_"
+
+
+def _env_default(flag: str, default: Any, cast: Callable[[str], Any] = str) -> Any:
+    raw = os.environ.get(ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper())
+    if raw is None:
+        return default
+    try:
+        return cast(raw)
+    except ValueError:
+        raise ValueError(
+            f"{ENV_PREFIX}{flag.lstrip('-').replace('-', '_').upper()}={raw!r} is not a valid "
+            f"value for {flag}"
+        ) from None
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    def opt(flag: str, default: Any, cast: Callable[[str], Any] = str, **kw: Any) -> None:
+        p.add_argument(flag, default=_env_default(flag, default, cast), type=cast, **kw)
+
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=os.environ.get(ENV_PREFIX + "MODEL"),
+        metavar="MODEL",
+        help="local Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    opt("--host", "127.0.0.1", help="address to listen on")
+    opt("--port", 8000, int)
+    opt("--served-model-name", None, help="the base model's name in the API")
+    opt("--api-key", None, help="operator key clients send as 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--lora-modules",
+        nargs="*",
+        type=_lora_module,
+        default=[
+            _lora_module(m) for m in os.environ.get(ENV_PREFIX + "LORA_MODULES", "").split() if m
+        ],
+        metavar="NAME=PATH",
+        help="adapters to load at start (PEFT directories or archives)",
+    )
+    opt("--max-loras", 4, int, help="adapters one step may use (device slots)")
+    opt("--max-cpu-loras", 16, int, help="adapters kept in host memory")
+    opt("--max-lora-rank", 64, int)
+    opt("--block-size", 16, int)
+    opt("--num-blocks", None, int, help="KV cache blocks (instead of --kv-cache-memory)")
+    opt("--kv-cache-memory", None, int, help="KV cache bytes")
+    opt("--gpu-memory-utilization", 0.9, float)
+    opt("--max-num-seqs", 64, int)
+    opt("--max-num-batched-tokens", 512, int)
+    opt("--max-model-len", None, int)
+    opt("--dtype", "auto", choices=("auto", "float32", "float16", "bfloat16"))
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=_env_default("--enable-prefix-caching", True, _bool),
+    )
+    opt("--shutdown-timeout", 10.0, float, help="seconds to finish in-flight requests on SIGTERM")
+    opt("--log-level", "info", choices=("debug", "info", "warning", "error"))
+    p.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        default=_env_default("--engine-in-process", False, _bool),
+        help="run the engine in the server process (debugging; no crash isolation)",
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+    from loraplex.engine.default_model import resolve_model_dir
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    config = EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=args.enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+        ),
+        lora=LoRAConfig(
+            max_loras=args.max_loras,
+            max_cpu_loras=args.max_cpu_loras,
+            max_lora_rank=args.max_lora_rank,
+        ),
+    )
+    model_dir = resolve_model_dir(args.model)
+    return asyncio.run(_serve(args, config, model_dir))
+
+
+async def _serve(args: argparse.Namespace, config: Any, model_dir: str) -> int:
+    import uvicorn
+
+    from loraplex.engine.client import EngineClient
+    from loraplex.engine.inproc_client import InprocEngineClient
+    from loraplex.engine.proc_client import ProcEngineClient
+    from loraplex.platform.app import create_app, load_settings
+
+    start = time.perf_counter()
+    client: EngineClient = (
+        InprocEngineClient(config, model_dir)
+        if args.engine_in_process
+        else ProcEngineClient(config, model_dir)
+    )
+    await client.start()
+    try:
+        settings = load_settings(served_model_name=args.served_model_name, api_key=args.api_key)
+        app = create_app(client, settings)
+        serving = app.state.serving
+        for name, path in args.lora_modules:
+            info = await client.add_lora(name, path, pinned=True)
+            serving.resolver.add_adapter(info)
+        names = [serving.resolver.base_name] + [name for name, _ in args.lora_modules]
+        print(
+            f"loraplex: serving {', '.join(names)} on http://{args.host}:{args.port}/v1 "
+            f"(engine ready in {time.perf_counter() - start:.1f} s; model {model_dir})",
+            file=sys.stderr,
+            flush=True,
+        )
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host=args.host,
+                port=args.port,
+                log_level=args.log_level,
+                timeout_graceful_shutdown=int(args.shutdown_timeout),
+            )
+        )
+        await server.serve()
+    finally:
+        await client.shutdown(timeout=args.shutdown_timeout)
+    return 0
