@@ -14,9 +14,8 @@ QUESTIONS = [
     "What is the capital of France?",
     "Give me three tips for staying healthy.",
     "Write a haiku about autumn leaves.",
-    "Explain what a neural network is in one sentence.",
 ]
-MAX_TOKENS = 48
+MAX_TOKENS = 32
 
 
 @pytest.mark.slow
