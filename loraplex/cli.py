@@ -1,4 +1,4 @@
-"""The ``loraplex`` command: ``loraplex bench throughput [MODEL]``, ``loraplex serve`` (soon).
+"""The ``loraplex`` command: ``loraplex serve``, ``loraplex generate``, ``loraplex bench throughput``.
 
 Every failure prints one line, ``loraplex: error: ...``, and exits non-zero (2 for usage errors,
 1 for everything else); set ``LORAPLEX_DEBUG=1`` to see the traceback instead.
@@ -66,7 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
 
-    commands.add_parser("serve", help="serve the OpenAI-compatible API (not implemented yet)")
+    from loraplex.platform.serve import add_serve_arguments
+
+    add_serve_arguments(
+        commands.add_parser(
+            "serve",
+            help="serve the OpenAI-compatible API (engine in a supervised child process)",
+            description="Serve MODEL (default: the embedded SmolLM2-135M-Instruct) over an "
+            "OpenAI-compatible HTTP API. Every flag can also be set as LORAPLEX_<FLAG>.",
+        )
+    )
 
     gen = commands.add_parser(
         "generate",
@@ -271,7 +280,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    _fail("`loraplex serve` is not implemented yet", code=2)
+    from loraplex.platform.serve import run_serve
+
+    return run_serve(args)
 
 
 def _fail(message: str, code: int = 1) -> NoReturn:
@@ -290,10 +301,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()
         args, extra = parser.parse_known_args(args_list)
-        if args.command == "serve":  # a placeholder: whatever flags it was given
-            return _serve(args)
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if args.command == "serve":
+            return _serve(args)
         if args.command == "generate":
             return _generate(args)
         if args.command == "bench" and args.bench == "throughput":

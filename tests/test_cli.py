@@ -92,10 +92,10 @@ def _one_error_line(err: str) -> str:
     return lines[0]
 
 
-def test_serve_is_a_placeholder(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = _run(["serve", "--port", "8000"], capsys)
+def test_serve_bad_flag_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(["serve", "--port", "eighty"], capsys)
     assert code == 2
-    assert "not implemented yet" in _one_error_line(err)
+    assert "invalid int value" in _one_error_line(err)
 
 
 @pytest.mark.parametrize(
@@ -106,7 +106,15 @@ def test_serve_is_a_placeholder(capsys: pytest.CaptureFixture[str]) -> None:
         (["bench", "throughput", "--bogus"], 2, "unrecognized arguments: --bogus"),
         (["bench", "throughput", "--num-requests", "0"], 2, "must be at least 1"),
         (["bench", "throughput", "--adapter-dist", "zipf"], 2, "invalid choice"),
-        (["bench", "throughput", "--num-adapters", "3"], 1, "not supported yet"),
+        (["bench", "throughput", "--num-adapters", "-1"], 2, "must be 0 or more"),
+        (["bench", "throughput", "--powerlaw-alpha", "-0.5"], 2, "must be 0 or more"),
+        (["bench", "throughput", "--powerlaw-alpha", "nan"], 2, "must be 0 or more"),
+        (["bench", "throughput", "--peft-mixed-batch-size", "0"], 2, "must be at least 1"),
+        (
+            ["bench", "throughput", "--num-adapters", "3", "--adapter-rank", "80"],
+            1,
+            "--max-lora-rank (64) must be at least --adapter-rank (80)",
+        ),
         (["bench", "throughput", "--min-output", "9", "--max-output", "3"], 1, "--min-output"),
         (["bench", "throughput", "/no/such/model/dir"], 1, "not found"),
         (["bench", "throughput", "not-a-model"], 1, "not found"),
@@ -123,7 +131,12 @@ def test_failures_print_one_line(
 def test_help_lists_the_benchmark_flags(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(["bench", "throughput", "--help"], capsys)
     assert code == 0
-    for flag in ("--hf-max-requests", "--prefix-cache-test", "--profile", "--adapter-dist"):
+    flags = (
+        "--hf-max-requests", "--prefix-cache-test", "--profile", "--num-adapters",
+        "--adapter-dist", "--powerlaw-alpha", "--adapter-rank", "--max-loras", "--max-lora-rank",
+        "--peft-mixed-batch-size",
+    )  # fmt: skip
+    for flag in flags:
         assert flag in out
 
 

@@ -1,7 +1,7 @@
 """``loraplex bench``: benchmarks that compare systems on one machine in one run.
 
-Results are ratios (loraplex against Hugging Face ``generate()``, prefix caching on against off),
-written as JSON (plus a PNG plot when matplotlib is installed) to ``bench-results/``.
+Results are ratios (loraplex against Hugging Face ``generate()`` or, with ``--num-adapters``, against
+PEFT; LoRA on against off; prefix caching on against off), written as JSON (plus a PNG plot when matplotlib is installed) to ``bench-results/``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 AdapterDist = Literal["uniform", "powerlaw"]
 TARGET_MODULES: tuple[str, ...] = (
@@ -85,9 +85,9 @@ def make_random_adapters(
     )
     model = get_peft_model(base, config)
     scaling = config.lora_alpha / rank
-    layers = [
-        m for m in model.modules() if hasattr(m, "lora_A") and "default" in getattr(m, "lora_A")
-    ]
+    layers: list[Any] = [
+        m for m in model.modules() if "default" in getattr(m, "lora_A", {})
+    ]  # PEFT LoRA layers
     if not layers:
         raise ValueError(f"no {'/'.join(TARGET_MODULES)} modules found in {model_dir}")
     dirs: dict[str, str] = {}

@@ -9,10 +9,11 @@ request's own tokens count as output.
 * ``peft_mixed``: PEFT's mixed-adapter batches, ``generate(..., adapter_names=[...])``, the
   workload in order, in batches of ``--peft-mixed-batch-size``.
 
-Subset (``--hf-max-requests``): a baseline runs **whole batches of its full-workload plan**, so
-batch sizes and padding are those the full run would have; static batches are picked round-robin
-across adapters (the first, fullest batch of adapter 0, then of adapter 1, ...), so the subset
-spreads over several adapters and, if anything, favours the baseline. At least one batch runs.
+Subset (``--hf-max-requests M``): a baseline runs **whole batches of its full-workload plan**, so
+batch sizes and padding are those the full run would have: at most M requests, but at least one
+batch (a mixed batch larger than M runs whole). Static batches are visited round-robin across
+adapters (adapter 0's first batch, adapter 1's first, ...) and taken while they fit, so the
+subset spreads over several adapters.
 """
 
 from __future__ import annotations
@@ -69,23 +70,23 @@ def mixed_plan(adapter_of: Sequence[str], batch_size: int) -> list[Batch]:
 def select_batches(
     plan: Sequence[Batch], max_requests: int | None, *, by_adapter: bool
 ) -> list[Batch]:
-    """Whole batches of ``plan`` until they hold at least ``max_requests`` requests (all of them
-    for None); ``by_adapter``: round-robin over the adapters of per-adapter batches, else the
-    first batches. Plan order is kept."""
+    """Whole batches of ``plan`` holding at most ``max_requests`` requests (all for None), but
+    never fewer than one batch. ``by_adapter``: visit per-adapter batches round-robin over the
+    adapters (each adapter's first batch, then its second, ...), else in plan order; a batch is
+    taken when it still fits. Plan order is kept."""
     if max_requests is None or max_requests >= sum(len(b.requests) for b in plan):
         return list(plan)
     groups: dict[str, list[int]] = {}  # plan positions of each adapter's batches
     for n, b in enumerate(plan):
         groups.setdefault(b.adapters[0] if by_adapter else "", []).append(n)
-    queues = list(groups.values())
-    chosen: list[int] = []
-    total = depth = 0
-    while total < max_requests:
-        for q in queues:
-            if depth < len(q) and total < max_requests:
-                chosen.append(q[depth])
-                total += len(plan[q[depth]].requests)
-        depth += 1
+    depth = max(len(q) for q in groups.values())
+    visit = [q[d] for d in range(depth) for q in groups.values() if d < len(q)]
+    chosen = [visit[0]]
+    total = len(plan[visit[0]].requests)
+    for n in visit[1:]:
+        if total + len(plan[n].requests) <= max_requests:
+            chosen.append(n)
+            total += len(plan[n].requests)
     return [plan[n] for n in sorted(chosen)]
 
 

@@ -167,12 +167,19 @@ def multi_lora_table(result: dict[str, Any]) -> str:
         return lambda d: " ".join(str(v) for v in d[key]) if key in d else "-"
 
     rows: list[tuple[str, ...]] = [("", *(title for _, title in cols))]
-    rows.append(row("requests timed", lambda d: f"{d['requests']}{'*' if d['extrapolated'] else ''}"))
-    rows.append(row("per-repeat tok/s", lambda d: " ".join(
-        f"{v:.1f}" for v in d["per_repeat_tokens_per_s"])))  # fmt: skip
+    rows.append(
+        row("requests timed", lambda d: f"{d['requests']}{'*' if d['extrapolated'] else ''}")
+    )
+    rows.append(
+        row(
+            "per-repeat tok/s", lambda d: " ".join(f"{v:.1f}" for v in d["per_repeat_tokens_per_s"])
+        )
+    )
     rows.append(row("median output tok/s", lambda d: f"{d['median_tokens_per_s']:.1f}"))
     rows.append(row("achieved GFLOP/s", lambda d: f"{d['median_gflops']:.2f}"))
-    rows.append(row(f"MFU (peak {s['peak_gflops']:.1f} GFLOP/s)", lambda d: f"{d['mfu'] * 100:.2f}%"))
+    rows.append(
+        row(f"MFU (peak {s['peak_gflops']:.1f} GFLOP/s)", lambda d: f"{d['mfu'] * 100:.2f}%")
+    )
     rows.append(row("LoRA slot loads", lora_only("lora_slot_loads")))
     rows.append(row("preemptions", lora_only("preemptions")))
     text = format_table(rows)
@@ -187,13 +194,15 @@ def multi_lora_table(result: dict[str, Any]) -> str:
         paired = " ".join(f"{v:.2f}x" for v in s["per_repeat_speedup_vs_best_peft"])
         text += (
             f"\nloraplex / best PEFT ({s['best_peft']}): {s['speedup_vs_best_peft']:.2f}x "
-            f"(target >= {s['targets']['speedup_vs_best_peft']:g}x); per repeat pair: {paired}"
+            f"(target >= {s['targets']['speedup_vs_best_peft']:g}x); per repeat pair: {paired} "
+            f"(median {s['median_paired_speedup_vs_best_peft']:.2f}x)"
         )
     if s.get("lora_with_over_without") is not None:
         paired = " ".join(f"{v:.3f}" for v in s["per_repeat_lora_with_over_without"])
         text += (
             f"\nloraplex with / without adapters: {s['lora_with_over_without']:.3f} "
-            f"(target >= {s['targets']['lora_with_over_without']:g}); per repeat pair: {paired}"
+            f"(target >= {s['targets']['lora_with_over_without']:g}); per repeat pair: {paired} "
+            f"(median {s['median_paired_lora_with_over_without']:.3f})"
         )
     stats = result.get("engine_lora_stats") or {}
     if stats:

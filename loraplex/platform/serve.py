@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 ENV_PREFIX = "LORAPLEX_"
@@ -126,6 +128,27 @@ def run_serve(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(args, config, model_dir))
 
 
+class _Server:
+    """uvicorn's server, with SIGTERM/SIGINT handled by us: uvicorn re-raises a captured signal
+    after its graceful shutdown, which would end the process with -SIGTERM instead of 0."""
+
+    def __init__(self, config: Any) -> None:
+        import uvicorn
+
+        class Quiet(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                yield
+
+        self._server = Quiet(config)
+
+    def request_exit(self) -> None:
+        self._server.should_exit = True
+
+    async def serve(self) -> None:
+        await self._server.serve()
+
+
 async def _serve(args: argparse.Namespace, config: Any, model_dir: str) -> int:
     import uvicorn
 
@@ -155,7 +178,7 @@ async def _serve(args: argparse.Namespace, config: Any, model_dir: str) -> int:
             file=sys.stderr,
             flush=True,
         )
-        server = uvicorn.Server(
+        server = _Server(
             uvicorn.Config(
                 app,
                 host=args.host,
@@ -164,6 +187,10 @@ async def _serve(args: argparse.Namespace, config: Any, model_dir: str) -> int:
                 timeout_graceful_shutdown=int(args.shutdown_timeout),
             )
         )
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            # Graceful: stop accepting, let in-flight requests finish, shut the engine, exit 0.
+            loop.add_signal_handler(sig, server.request_exit)
         await server.serve()
     finally:
         await client.shutdown(timeout=args.shutdown_timeout)
