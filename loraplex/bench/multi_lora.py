@@ -275,22 +275,11 @@ def _run(opts: ThroughputOptions, say: Log, adapter_root: Path) -> dict[str, Any
         gc.collect()
     if opts.profile:
         _profile(result, llm, opts, prompts, lens, loras, out_dir / f"{stem}-profile.txt", say)
-    engine_args = opts.engine
     del llm
     gc.collect()
-    if opts.prefix_cache_test:
-        from loraplex.bench.prefix_cache import run_prefix_cache_test
+    from loraplex.bench.prefix_cache import add_prefix_cache_test
 
-        say(f"prefix caching test: shared {opts.prefix_len}-token prefix ...")
-        result["prefix_cache_test"] = run_prefix_cache_test(
-            model_dir,
-            tokenizer,
-            engine_args,
-            prefix_len=opts.prefix_len,
-            repeats=opts.prefix_repeats,
-            seed=opts.seed,
-            log=say,
-        )
+    add_prefix_cache_test(result, opts, model_dir, tokenizer, say)
     _write(result, out_dir, stem, opts)
     return result
 

@@ -81,3 +81,25 @@ def run_prefix_cache_test(
         for r in on["runs"]
     )
     return results
+
+
+def add_prefix_cache_test(
+    result: dict[str, Any],
+    opts: Any,
+    model_dir: str,
+    tokenizer: Any,
+    log: Any,
+) -> None:
+    """Run the prefix-caching experiment into ``result`` when ``opts.prefix_cache_test`` is on."""
+    if not opts.prefix_cache_test:
+        return
+    log(f"prefix caching test: shared {opts.prefix_len}-token prefix ...")
+    result["prefix_cache_test"] = run_prefix_cache_test(
+        model_dir,
+        tokenizer,
+        opts.engine,
+        prefix_len=opts.prefix_len,
+        repeats=opts.prefix_repeats,
+        seed=opts.seed,
+        log=log,
+    )

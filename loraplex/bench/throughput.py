@@ -274,22 +274,11 @@ def run_throughput(opts: ThroughputOptions, log: Log | None = None) -> dict[str,
         say(f"profiling loraplex on {n} requests ...")
         print(profile_loraplex(llm, prompts[:n], lens[:n], profile_path))
         result["profile"] = {"requests": n, "table": str(profile_path)}
-    engine_args = opts.engine
     del llm
     gc.collect()
-    if opts.prefix_cache_test:
-        from loraplex.bench.prefix_cache import run_prefix_cache_test
+    from loraplex.bench.prefix_cache import add_prefix_cache_test
 
-        say(f"prefix caching test: shared {opts.prefix_len}-token prefix ...")
-        result["prefix_cache_test"] = run_prefix_cache_test(
-            model_dir,
-            tokenizer,
-            engine_args,
-            prefix_len=opts.prefix_len,
-            repeats=opts.prefix_repeats,
-            seed=opts.seed,
-            log=say,
-        )
+    add_prefix_cache_test(result, opts, model_dir, tokenizer, say)
 
     json_path = out_dir / f"{stem}.json"
     print()
