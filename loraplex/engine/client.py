@@ -218,7 +218,18 @@ class StreamingClient(EngineClient):
         self._idle = asyncio.Event()  # set while no request is in flight
         self._idle.set()
         self._started = False
+        self._shutdown: asyncio.Task[None] | None = None
         self.engine_restarts = 0
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Idempotent: later and concurrent calls wait for the first one's shutdown."""
+        if self._shutdown is None:
+            self._shutdown = asyncio.create_task(self._do_shutdown(timeout))
+        await asyncio.shield(self._shutdown)
+
+    @abstractmethod
+    async def _do_shutdown(self, timeout: float) -> None:
+        """Drain for up to ``timeout`` seconds, abort the rest, stop the engine."""
 
     # ---- transport, provided by subclasses -------------------------------------------------
 

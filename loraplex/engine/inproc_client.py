@@ -42,7 +42,6 @@ class InprocEngineClient(StreamingClient):
         self._pending_aborts: list[str] = []
         self._task: asyncio.Task[None] | None = None
         self._dead: str | None = None  # why the step loop stopped, if it crashed
-        self._shutdown: asyncio.Task[None] | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="loraplex-engine")
 
     async def start(self) -> None:
@@ -141,11 +140,6 @@ class InprocEngineClient(StreamingClient):
             core = self._use_core()
             stats = core.stats()
         return {**stats, **self._client_stats()}
-
-    async def shutdown(self, timeout: float = 10.0) -> None:
-        if self._shutdown is None:
-            self._shutdown = asyncio.create_task(self._do_shutdown(timeout))
-        await asyncio.shield(self._shutdown)
 
     async def _do_shutdown(self, timeout: float) -> None:
         if self._started:

@@ -137,7 +137,6 @@ class ProcEngineClient(StreamingClient):
         self._call_ids = itertools.count()
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._restart_task: asyncio.Task[None] | None = None
-        self._shutdown: asyncio.Task[None] | None = None
 
     @property
     def healthy(self) -> bool:
@@ -336,11 +335,6 @@ class ProcEngineClient(StreamingClient):
     async def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = await self._call("stats")
         return {**stats, **self._client_stats()}
-
-    async def shutdown(self, timeout: float = 10.0) -> None:
-        if self._shutdown is None:
-            self._shutdown = asyncio.create_task(self._do_shutdown(timeout))
-        await asyncio.shield(self._shutdown)
 
     async def _do_shutdown(self, timeout: float) -> None:
         if self._started:
