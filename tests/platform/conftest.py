@@ -90,3 +90,14 @@ def sse_events(text: str) -> list[Any]:
         data = block.removeprefix("data: ")
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+@pytest.fixture
+async def tenancy(
+    tmp_path: Path, fake: FakeEngineClient, tokenizer: Any
+) -> AsyncIterator[Any]:
+    """A multi-tenant app on the fake engine (see tests/platform/tenancy_env.py)."""
+    from tests.platform.tenancy_env import tenancy_env
+
+    async with tenancy_env(tmp_path, fake, tokenizer) as env:
+        yield env

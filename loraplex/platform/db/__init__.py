@@ -1,0 +1,1 @@
+"""The platform's database: SQLAlchemy 2.0 models, the ``Database`` handle, the tenant scope."""

@@ -1,0 +1,261 @@
+"""The platform's tables (SQLAlchemy 2.0, typed ``Mapped``).
+
+Ownership::
+
+    Tenant ─┬─< ApiKey
+            ├─< Adapter ─< AdapterVersion   (immutable, numbered 1, 2, ...; never renumbered)
+            ├─< UsageRecord                 (one per request; raw rows kept ``retention`` days)
+            └─< UsageDaily                  (roll-ups by day and model)
+    AuditEvent                              (every change, by anyone; outlives what it names)
+    PlatformSetting                         (key/value: the admin token's hash, secrets)
+
+Rows that a tenant owns are only ever queried through ``loraplex.platform.db.scope.TenantScope``.
+Times are stored in UTC and read back timezone-aware, on SQLite as on PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Literal
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Date,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+TenantStatus = Literal["active", "suspended"]
+VersionStatus = Literal["validating", "ready", "failed"]
+
+TENANT_STATUSES: tuple[str, ...] = ("active", "suspended")
+VERSION_STATUSES: tuple[str, ...] = ("validating", "ready", "failed")
+
+# Constraint names are explicit so that Alembic's batch mode can find them on SQLite.
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+class UTCDateTime(TypeDecorator[dt.datetime]):
+    """A timestamp stored in UTC and always returned timezone-aware (SQLite drops the zone)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        if not isinstance(value, dt.datetime) or value.tzinfo is None:
+            raise ValueError(f"timestamps must be timezone-aware datetimes, got {value!r}")
+        return value.astimezone(dt.timezone.utc)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        assert isinstance(value, dt.datetime)
+        if value.tzinfo is None:
+            return value.replace(tzinfo=dt.timezone.utc)
+        return value.astimezone(dt.timezone.utc)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+def _created() -> Mapped[dt.datetime]:
+    return mapped_column(UTCDateTime(), default=utcnow)
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)  # a slug; the public handle
+    display_name: Mapped[str] = mapped_column(String(200), default="")
+    status: Mapped[str] = mapped_column(String(16), default="active")  # TenantStatus
+    # Quotas; None = unlimited.
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer, default=None)
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer, default=None)
+    max_concurrent_requests: Mapped[int | None] = mapped_column(Integer, default=None)
+    max_adapters: Mapped[int | None] = mapped_column(Integer, default=None)
+    # Joins every prefix-cache key of this tenant's requests: tenants never share KV blocks.
+    cache_salt: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[dt.datetime] = _created()
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
+
+    keys: Mapped[list[ApiKey]] = relationship(
+        back_populates="tenant", cascade="all, delete-orphan", passive_deletes=True
+    )
+    adapters: Mapped[list[Adapter]] = relationship(
+        back_populates="tenant", cascade="all, delete-orphan", passive_deletes=True
+    )
+
+    @property
+    def active(self) -> bool:
+        return self.status == "active"
+
+
+class ApiKey(Base):
+    """A tenant's key ``lpx_<public_id>_<secret>``: only the SHA-256 of the secret is stored."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(100), default="")
+    public_id: Mapped[str] = mapped_column(String(32), unique=True)
+    secret_sha256: Mapped[str] = mapped_column(String(64))
+    last4: Mapped[str] = mapped_column(String(4))
+    scopes: Mapped[list[str]] = mapped_column(JSON, default=list)
+    created_at: Mapped[dt.datetime] = _created()
+    last_used_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), default=None)
+    expires_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), default=None)
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), default=None)
+
+    tenant: Mapped[Tenant] = relationship(back_populates="keys")
+
+    def usable_at(self, now: dt.datetime) -> bool:
+        if self.revoked_at is not None:
+            return False
+        return self.expires_at is None or now < self.expires_at
+
+
+class Adapter(Base):
+    __tablename__ = "adapters"
+    __table_args__ = (UniqueConstraint("tenant_id", "name", name="uq_adapters_tenant_id_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(64))
+    description: Mapped[str] = mapped_column(Text, default="")
+    next_version: Mapped[int] = mapped_column(Integer, default=1)  # numbers are never reused
+    created_at: Mapped[dt.datetime] = _created()
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
+
+    tenant: Mapped[Tenant] = relationship(back_populates="adapters")
+    versions: Mapped[list[AdapterVersion]] = relationship(
+        back_populates="adapter",
+        cascade="all, delete-orphan",
+        passive_deletes=True,
+        order_by="AdapterVersion.number",
+    )
+
+
+class AdapterVersion(Base):
+    """One immutable upload; the engine knows it by ``content_sha256`` (shared across tenants)."""
+
+    __tablename__ = "adapter_versions"
+    __table_args__ = (
+        UniqueConstraint("adapter_id", "number", name="uq_adapter_versions_adapter_id_number"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    adapter_id: Mapped[int] = mapped_column(
+        ForeignKey("adapters.id", ondelete="CASCADE"), index=True
+    )
+    number: Mapped[int] = mapped_column(Integer)
+    content_sha256: Mapped[str] = mapped_column(String(64), index=True)
+    rank: Mapped[int] = mapped_column(Integer, default=0)
+    alpha: Mapped[float] = mapped_column(Float, default=0.0)
+    target_modules: Mapped[list[str]] = mapped_column(JSON, default=list)
+    size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    storage_path: Mapped[str] = mapped_column(String(1024), default="")  # never leaves the server
+    status: Mapped[str] = mapped_column(String(16), default="validating")  # VersionStatus
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    created_at: Mapped[dt.datetime] = _created()
+
+    adapter: Mapped[Adapter] = relationship(back_populates="versions")
+
+
+class UsageRecord(Base):
+    """One request: what it cost and how it went (also when the client went away: status 499)."""
+
+    __tablename__ = "usage_records"
+    __table_args__ = (Index("ix_usage_records_tenant_id_created_at", "tenant_id", "created_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # None: the operator's own requests.
+    tenant_id: Mapped[int | None] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), default=None
+    )
+    api_key_id: Mapped[int | None] = mapped_column(
+        ForeignKey("api_keys.id", ondelete="SET NULL"), default=None
+    )
+    adapter_version_id: Mapped[int | None] = mapped_column(
+        ForeignKey("adapter_versions.id", ondelete="SET NULL"), default=None
+    )
+    model: Mapped[str] = mapped_column(String(140))  # "base" name, or "adapter@N"
+    request_id: Mapped[str] = mapped_column(String(64), default="")
+    endpoint: Mapped[str] = mapped_column(String(64), default="")
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    latency_ms: Mapped[float] = mapped_column(Float, default=0.0)
+    ttft_ms: Mapped[float | None] = mapped_column(Float, default=None)
+    status: Mapped[int] = mapped_column(Integer)  # the HTTP status; 499 = client disconnected
+    created_at: Mapped[dt.datetime] = _created()
+
+
+class UsageDaily(Base):
+    """Usage rolled up by tenant, UTC day and model; raw rows older than the retention go here."""
+
+    __tablename__ = "usage_daily"
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "day", "model", name="uq_usage_daily_tenant_id_day_model"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int | None] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), default=None, index=True
+    )
+    day: Mapped[dt.date] = mapped_column(Date)
+    model: Mapped[str] = mapped_column(String(140))
+    requests: Mapped[int] = mapped_column(Integer, default=0)
+    errors: Mapped[int] = mapped_column(Integer, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class AuditEvent(Base):
+    """Who changed what: names are copied in, so the event outlives the rows it names."""
+
+    __tablename__ = "audit_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
+    actor: Mapped[str] = mapped_column(String(200))  # "admin", "tenant:acme/key:ab12cd34"
+    tenant_name: Mapped[str | None] = mapped_column(String(64), default=None, index=True)
+    action: Mapped[str] = mapped_column(String(64), index=True)  # "adapter.upload", "key.revoke"
+    object_type: Mapped[str] = mapped_column(String(32))
+    object_id: Mapped[str] = mapped_column(String(200))
+    before: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    after: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    ip: Mapped[str | None] = mapped_column(String(64), default=None)
+
+
+class PlatformSetting(Base):
+    __tablename__ = "platform_settings"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)

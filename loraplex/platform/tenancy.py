@@ -1,0 +1,73 @@
+"""The multi-tenant platform around the OpenAI API: database, tenant keys, adapter registry,
+quotas, usage and audit, and the admin API.
+
+``create_app`` builds the single-operator server; ``install_tenancy(app, platform)`` turns it
+into the platform: each component installs itself (its state on ``app.state`` and its routes).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from loraplex.platform.db.database import Database, sqlite_url
+
+
+def default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "loraplex"
+
+
+class TenancySettings(BaseSettings):
+    """Platform settings; environment variables ``LORAPLEX_<NAME>`` override them."""
+
+    model_config = SettingsConfigDict(env_prefix="LORAPLEX_", extra="ignore", frozen=True)
+
+    data_dir: Path = Field(default_factory=default_data_dir, description="database and adapters")
+    database_url: str | None = Field(None, description="any SQLAlchemy URL; default SQLite file")
+    admin_token: SecretStr | None = Field(
+        None, description="the operator's credential; generated and printed once when unset"
+    )
+    share_prefix_cache: bool = Field(
+        False, description="let tenants share prefix-cache blocks of the base model"
+    )
+    max_adapter_bytes: int = Field(512 * 1024 * 1024, ge=1024, description="per upload")
+    max_adapters_per_tenant: int = Field(
+        100, ge=1, description="adapters per tenant unless the tenant's own limit is set"
+    )
+    usage_retention_days: int = Field(30, ge=1, description="raw usage rows; roll-ups stay")
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or sqlite_url(self.data_dir / "loraplex.db")
+
+
+@dataclass
+class Platform:
+    settings: TenancySettings
+    db: Database
+
+    @property
+    def data_dir(self) -> Path:
+        return self.settings.data_dir
+
+    @classmethod
+    def open(cls, settings: TenancySettings) -> Platform:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        return cls(settings, Database(settings.resolved_database_url))
+
+
+def install_tenancy(app: FastAPI, platform: Platform) -> None:
+    from loraplex.platform import admin_api, quotas, registry, tenant_auth, usage
+
+    app.state.platform = platform
+    tenant_auth.install(app, platform)
+    registry.install(app, platform)
+    quotas.install(app, platform)
+    usage.install(app, platform)
+    admin_api.install(app, platform)

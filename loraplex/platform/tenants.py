@@ -1,0 +1,270 @@
+"""Tenants and their API keys: create, change, suspend, delete, issue and revoke keys.
+
+Shared by the admin API and the ``loraplex admin`` CLI. Each function works inside the caller's
+session (one transaction) and writes its audit event there. Bad input raises ``APIError`` with a
+message that says what to change; the CLI prints the same message.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import secrets
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from sqlalchemy import func, or_, select
+from sqlalchemy.orm import Session
+
+from loraplex.platform import audit
+from loraplex.platform.auth import SCOPE_ADAPTERS_WRITE, SCOPE_INFERENCE
+from loraplex.platform.db.models import ApiKey, Tenant, utcnow
+from loraplex.platform.db.scope import TenantScope
+from loraplex.platform.keys import NewKey, generate_key
+from loraplex.platform.openai.errors import NOT_FOUND, APIError
+
+TENANT_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
+TENANT_SCOPES = (SCOPE_INFERENCE, SCOPE_ADAPTERS_WRITE)
+DEFAULT_KEY_SCOPES = (SCOPE_INFERENCE, SCOPE_ADAPTERS_WRITE)
+QUOTA_FIELDS = (
+    "requests_per_minute",
+    "tokens_per_minute",
+    "max_concurrent_requests",
+    "max_adapters",
+)
+
+
+@dataclass(frozen=True)
+class Quotas:
+    """Per-tenant limits; None = unlimited."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent_requests: int | None = None
+    max_adapters: int | None = None
+
+
+def check_tenant_name(name: str) -> str:
+    if not TENANT_NAME.fullmatch(name):
+        raise APIError(
+            400,
+            "A tenant name is 1-63 characters of lowercase letters, digits, '-' and '_', "
+            "starting with a letter or digit (for example 'acme-corp').",
+            param="name",
+            code="invalid_tenant_name",
+        )
+    return name
+
+
+def check_quota(field: str, value: int | None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10**12:
+        raise APIError(
+            400,
+            f"{field} must be a whole number from 1 to 10^12, or null for no limit.",
+            param=field,
+            code="invalid_quota",
+        )
+    return value
+
+
+def tenant_not_found(name: str) -> APIError:
+    return APIError(
+        404,
+        f"No tenant named {name[:64]!r}; GET /admin/api/tenants lists them.",
+        type=NOT_FOUND,
+        param="tenant",
+        code="tenant_not_found",
+    )
+
+
+def get_tenant(session: Session, name: str) -> Tenant | None:
+    return session.scalars(select(Tenant).where(Tenant.name == name)).first()
+
+
+def require_tenant(session: Session, name: str) -> Tenant:
+    tenant = get_tenant(session, name)
+    if tenant is None:
+        raise tenant_not_found(name)
+    return tenant
+
+
+def list_tenants(
+    session: Session, *, search: str = "", offset: int = 0, limit: int = 50
+) -> tuple[list[Tenant], int]:
+    """One page of tenants ordered by name, and how many match ``search`` in all."""
+    query = select(Tenant)
+    if search:
+        pattern = f"%{search.lower()}%"
+        query = query.where(
+            or_(
+                Tenant.name.like(pattern, escape="\\"),
+                func.lower(Tenant.display_name).like(pattern, escape="\\"),
+            )
+        )
+    total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+    rows = session.scalars(query.order_by(Tenant.name).offset(offset).limit(limit))
+    return list(rows), int(total)
+
+
+def create_tenant(
+    session: Session,
+    actor: str,
+    name: str,
+    *,
+    display_name: str = "",
+    quotas: Quotas = Quotas(),
+) -> Tenant:
+    check_tenant_name(name)
+    if get_tenant(session, name) is not None:
+        raise APIError(
+            409,
+            f"A tenant named {name!r} already exists; choose another name.",
+            param="name",
+            code="tenant_exists",
+        )
+    tenant = Tenant(
+        name=name,
+        display_name=display_name[:200],
+        status="active",
+        cache_salt=secrets.token_hex(16),
+        **{f: check_quota(f, getattr(quotas, f)) for f in QUOTA_FIELDS},
+    )
+    session.add(tenant)
+    session.flush()
+    audit.record(
+        session, actor, "tenant.create", "tenant", name, tenant_name=name,
+        after=audit.snapshot(tenant),
+    )  # fmt: skip
+    return tenant
+
+
+def update_tenant(
+    session: Session,
+    actor: str,
+    tenant: Tenant,
+    *,
+    display_name: str | None = None,
+    status: str | None = None,
+    quotas: dict[str, int | None] | None = None,
+) -> Tenant:
+    """Change the given fields; ``quotas`` maps quota field names to a limit or None."""
+    before = audit.snapshot(tenant)
+    if display_name is not None:
+        tenant.display_name = display_name[:200]
+    if status is not None:
+        if status not in ("active", "suspended"):
+            raise APIError(
+                400, "status is 'active' or 'suspended'.", param="status", code="invalid_status"
+            )
+        tenant.status = status
+    for field, value in (quotas or {}).items():
+        if field not in QUOTA_FIELDS:
+            raise APIError(
+                400,
+                f"Unknown quota {field!r}; quotas are {', '.join(QUOTA_FIELDS)}.",
+                param=field,
+                code="invalid_quota",
+            )
+        setattr(tenant, field, check_quota(field, value))
+    session.flush()
+    after = audit.snapshot(tenant)
+    if after != before:
+        action = "tenant.update"
+        if before["status"] != after["status"]:
+            action = "tenant.suspend" if after["status"] == "suspended" else "tenant.resume"
+        audit.record(
+            session, actor, action, "tenant", tenant.name, tenant_name=tenant.name,
+            before=before, after=after,
+        )  # fmt: skip
+    return tenant
+
+
+def delete_tenant(session: Session, actor: str, tenant: Tenant) -> None:
+    """Delete the tenant's rows (keys, adapters, usage); its files are the registry's job."""
+    before = audit.snapshot(tenant)
+    session.delete(tenant)
+    session.flush()
+    audit.record(
+        session, actor, "tenant.delete", "tenant", before["name"], tenant_name=before["name"],
+        before=before,
+    )  # fmt: skip
+
+
+def check_scopes(scopes: Iterable[str]) -> list[str]:
+    wanted = list(dict.fromkeys(scopes))
+    bad = [s for s in wanted if s not in TENANT_SCOPES]
+    if bad or not wanted:
+        raise APIError(
+            400,
+            f"Key scopes are a non-empty list drawn from {', '.join(TENANT_SCOPES)}"
+            + (f"; {bad[0][:40]!r} is not one." if bad else "."),
+            param="scopes",
+            code="invalid_scope",
+        )
+    return wanted
+
+
+def create_key(
+    session: Session,
+    actor: str,
+    tenant: Tenant,
+    *,
+    name: str = "",
+    scopes: Iterable[str] = DEFAULT_KEY_SCOPES,
+    expires_at: dt.datetime | None = None,
+) -> tuple[ApiKey, NewKey]:
+    """A new key for ``tenant``; the returned ``NewKey.token`` is the only copy of the secret."""
+    scope_list = check_scopes(scopes)
+    if expires_at is not None and expires_at.tzinfo is None:
+        raise APIError(400, "expires_at needs a time zone.", param="expires_at")
+    new = generate_key()
+    key = TenantScope(session, tenant.id).add(
+        ApiKey(
+            name=name[:100],
+            public_id=new.public_id,
+            secret_sha256=new.secret_sha256,
+            last4=new.last4,
+            scopes=scope_list,
+            expires_at=expires_at,
+        )
+    )
+    session.flush()
+    audit.record(
+        session, actor, "key.create", "api_key", new.public_id, tenant_name=tenant.name,
+        after=audit.snapshot(key),
+    )  # fmt: skip
+    return key, new
+
+
+def list_keys(session: Session, tenant: Tenant) -> list[ApiKey]:
+    return list(
+        session.scalars(TenantScope(session, tenant.id).select(ApiKey).order_by(ApiKey.id))
+    )
+
+
+def key_not_found(public_id: str) -> APIError:
+    return APIError(
+        404,
+        f"No API key {public_id[:40]!r} for this tenant; list the tenant's keys to find it.",
+        type=NOT_FOUND,
+        param="key",
+        code="key_not_found",
+    )
+
+
+def revoke_key(session: Session, actor: str, tenant: Tenant, public_id: str) -> ApiKey:
+    """Revoke (idempotently); the key fails authentication from its next request on."""
+    key = TenantScope(session, tenant.id).key(public_id)
+    if key is None:
+        raise key_not_found(public_id)
+    if key.revoked_at is None:
+        before = audit.snapshot(key)
+        key.revoked_at = utcnow()
+        session.flush()
+        audit.record(
+            session, actor, "key.revoke", "api_key", public_id, tenant_name=tenant.name,
+            before=before, after=audit.snapshot(key),
+        )  # fmt: skip
+    return key
