@@ -79,6 +79,7 @@ class RequestDelta:
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     stop_reason: int | str | None
     num_cached_tokens: int
+    queue_time: float | None = None  # seconds the sample waited to be scheduled (first delta)
 
 
 class EngineDeadError(RuntimeError):
@@ -339,6 +340,7 @@ class StreamingClient(EngineClient):
                     out.finish_reason,
                     out.stop_reason,
                     out.num_cached_tokens,
+                    out.queue_time,
                 )
             )
 

@@ -83,3 +83,4 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
     num_cached_tokens: int = 0
+    queue_time: float | None = None  # seconds waiting to be scheduled; on the first output only

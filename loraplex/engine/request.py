@@ -42,7 +42,9 @@ class Request:
     cache_extra_keys: tuple[str, ...] = ()
     lora_key: str | None = None  # the adapter's content hash; None = the base model
     parent_id: str | None = None  # set on the samples of an n > 1 request
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_time: float = field(default_factory=time.monotonic)  # built (by the client)
+    queued_time: float | None = None  # the scheduler received it (time.monotonic())
+    scheduled_time: float | None = None  # first admitted to a step (preemptions do not reset it)
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
@@ -67,6 +69,13 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds from reaching the scheduler to first being scheduled; None until then."""
+        if self.queued_time is None or self.scheduled_time is None:
+            return None
+        return max(self.scheduled_time - self.queued_time, 0.0)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

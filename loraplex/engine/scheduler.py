@@ -19,6 +19,7 @@ by reference) and sample their first token from the leader's last row.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -78,6 +79,7 @@ class Scheduler:
                 "give the engine more KV memory or send a shorter prompt"
             )
         self.requests[req.request_id] = req
+        req.queued_time = time.monotonic()
         leader = self.requests.get(req.parent_id) if req.parent_id else None
         if leader is not None and leader.num_output_tokens == 0 and not leader.status.finished:
             self._pending_forks.setdefault(leader.request_id, []).append(req)
@@ -169,6 +171,8 @@ class Scheduler:
                 req.num_cached_tokens = num_hit
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             self.slots.acquire(req.lora_key)
             self.running.append(req)
             scheduled.append(self._scheduled(req, num_new))
@@ -215,6 +219,7 @@ class Scheduler:
                 continue
             self.kv.fork(leader.request_id, req.request_id)
             req.status = RequestStatus.RUNNING
+            req.scheduled_time = time.monotonic()
             self.slots.acquire(req.lora_key)
             self.running.append(req)
             forks.append(
@@ -266,6 +271,7 @@ class Scheduler:
             request_id=req.request_id,
             new_token_ids=[token],
             num_cached_tokens=req.num_cached_tokens,
+            queue_time=req.queue_time if req.num_output_tokens == 1 else None,
         )
         logprobs = result.logprobs.get(req.request_id)
         if logprobs is not None:

@@ -8,11 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from loraplex.engine.client import EngineClient
 from loraplex.platform.auth import Authenticator, OperatorKeyAuthenticator
+from loraplex.platform.metrics import PlatformMetrics
+from loraplex.platform.metrics import router as metrics_router
 from loraplex.platform.models import ModelResolver
 from loraplex.platform.openai.errors import install_error_handlers
 from loraplex.platform.openai.routes import router
@@ -31,9 +33,19 @@ class ServerSettings(BaseSettings):
     api_key: SecretStr | None = Field(
         None, description="operator key for 'Authorization: Bearer'; None = open server"
     )
+    metrics_token: SecretStr | None = Field(
+        None, description="token that may read /metrics (besides admin callers)"
+    )
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     max_n: int = Field(16, ge=1, le=256)
     max_prompts: int = Field(64, ge=1, le=4096)
+
+    @field_validator("metrics_token")
+    @classmethod
+    def _non_empty(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value():
+            raise ValueError("metrics_token must not be empty; leave it unset for none")
+        return value
 
 
 def load_settings(**overrides: Any) -> ServerSettings:
@@ -94,9 +106,11 @@ def create_app(
     app.state.settings = settings
     app.state.serving = serving
     app.state.authenticator = authenticator or OperatorKeyAuthenticator(key)
+    app.state.metrics = metrics = PlatformMetrics(client)
     install_error_handlers(app)
     app.include_router(router)
-    # Outermost last: the request log wraps the body limit, so a 413 is logged too.
+    app.include_router(metrics_router)
+    # Outermost last: the request log wraps the body limit, so a 413 is logged (and counted) too.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
-    app.add_middleware(RequestLogMiddleware)
+    app.add_middleware(RequestLogMiddleware, observers=[metrics.observe])
     return app

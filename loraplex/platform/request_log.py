@@ -4,7 +4,8 @@ request-body size limit.
 ``RequestLogMiddleware`` puts a ``RequestRecord`` in the request state before routing;
 handlers fill in what they know (model, token counts, finish reasons). The line is written when
 the response's last byte is sent, or when the client goes away mid-stream (status 499), so a
-streaming request is logged with its final token counts. Usage rows and metrics hook in here too.
+streaming request is logged with its final token counts. Then the middleware's observers see the
+finished record (the metrics; usage rows hook in the same way).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +34,9 @@ class RequestRecord:
     start: float = field(default_factory=time.perf_counter)
     request_id: str | None = None
     caller: str | None = None
-    model: str | None = None
+    model: str | None = None  # as the caller sent it (logged, never a metric label)
+    served_model: str | None = None  # what ``model`` resolved to; None when it did not resolve
+    tenant_id: str | None = None
     lora_key: str | None = None
     user: str | None = None
     prompt_tokens: int = 0
@@ -42,6 +46,16 @@ class RequestRecord:
     finish_reasons: list[str] = field(default_factory=list)
     status: int | None = None
     error_code: str | None = None
+    stream_error_status: int | None = None  # the status of an error sent inside a stream
+    # Filled when a generation ran (``generated``); times are time.perf_counter(), like start.
+    generated: bool = False
+    first_token_time: float | None = None
+    time_per_output_token: float | None = None
+    queue_time: float | None = None  # seconds in the engine's waiting queue
+
+    def latency(self) -> float:
+        """Seconds since the request arrived."""
+        return time.perf_counter() - self.start
 
     def as_log(self) -> dict[str, Any]:
         return {
@@ -58,7 +72,7 @@ class RequestRecord:
             "cached_tokens": self.cached_tokens,
             "finish_reasons": self.finish_reasons or None,
             "error_code": self.error_code,
-            "latency_ms": round((time.perf_counter() - self.start) * 1000, 1),
+            "latency_ms": round(self.latency() * 1000, 1),
         }
 
 
@@ -71,13 +85,23 @@ def request_record(request: Request) -> RequestRecord:
     return record
 
 
-class RequestLogMiddleware:
-    """Logs one JSON line per HTTP request to ``loraplex.platform.requests`` (``/health`` at
-    DEBUG, so probes do not flood the log)."""
+RecordObserver = Callable[[RequestRecord], None]
 
-    def __init__(self, app: ASGIApp, quiet_paths: tuple[str, ...] = ("/health",)) -> None:
+
+class RequestLogMiddleware:
+    """Logs one JSON line per HTTP request to ``loraplex.platform.requests`` (``/health`` and
+    ``/metrics`` at DEBUG, so probes and scrapers do not flood the log), then hands the finished
+    record to each of ``observers`` (whose failures are logged, never raised)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        quiet_paths: tuple[str, ...] = ("/health", "/metrics"),
+        observers: Sequence[RecordObserver] = (),
+    ) -> None:
         self.app = app
         self.quiet_paths = quiet_paths
+        self.observers = tuple(observers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -106,6 +130,11 @@ class RequestLogMiddleware:
                 record.status = CLIENT_CLOSED
             level = logging.DEBUG if scope["path"] in self.quiet_paths else logging.INFO
             logger.log(level, json.dumps(record.as_log()))
+            for observe in self.observers:
+                try:
+                    observe(record)
+                except Exception:
+                    logger.exception("a request observer failed on %s", scope["path"])
 
 
 class BodyLimitMiddleware:

@@ -63,6 +63,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     opt("--port", 8000, int)
     opt("--served-model-name", None, help="the base model's name in the API")
     opt("--api-key", None, help="operator key clients send as 'Authorization: Bearer KEY'")
+    opt("--metrics-token", None, help="token that may also read /metrics (Prometheus scrapers)")
     p.add_argument(
         "--lora-modules",
         nargs="*",
@@ -165,7 +166,11 @@ async def _serve(args: argparse.Namespace, config: Any, model_dir: str) -> int:
     )
     await client.start()
     try:
-        settings = load_settings(served_model_name=args.served_model_name, api_key=args.api_key)
+        settings = load_settings(
+            served_model_name=args.served_model_name,
+            api_key=args.api_key,
+            metrics_token=args.metrics_token,
+        )
         app = create_app(client, settings)
         serving = app.state.serving
         for name, path in args.lora_modules:

@@ -39,7 +39,8 @@ class FakeEngineClient(EngineClient):
     """Sample ``j`` of a request emits one token per step: with a seed, tokens drawn from
     ``Random(seed + j)``; without, ``FIRST_TOKEN + step`` (plus ``100 * j``). ``eos_after``
     ends samples with EOS after that many tokens; ``die_after`` raises ``EngineDeadError`` after
-    that many tokens; ``step_delay`` sleeps between tokens."""
+    that many tokens; ``step_delay`` sleeps between tokens; ``queue_time`` rides on each sample's
+    first delta. ``stats()`` answers ``engine_stats`` (after ``stats_delay`` seconds)."""
 
     model_dir: str
     max_model_len: int = 64
@@ -47,7 +48,17 @@ class FakeEngineClient(EngineClient):
     eos_after: int | None = None
     die_after: int | None = None
     step_delay: float = 0.0
+    queue_time: float | None = None
     alive: bool = True
+    engine_stats: dict[str, Any] = field(
+        default_factory=lambda: {
+            "num_running": 0,
+            "num_waiting": 0,
+            "kv_blocks_used": 0,
+            "kv_cache_usage": 0.0,
+        }
+    )
+    stats_delay: float = 0.0
     submitted: list[Submitted] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
@@ -122,7 +133,10 @@ class FakeEngineClient(EngineClient):
                         top = [(token, -0.5), (3, -1.5), (4, float("-inf"))][: params.logprobs]
                         logprobs = [TokenLogprobs(token, -0.5, 1, top)]
                     done[j] = finish is not None
-                    yield RequestDelta(sub.request_id, j, [token], logprobs, finish, None, 0)
+                    queued = self.queue_time if step == 0 else None
+                    yield RequestDelta(
+                        sub.request_id, j, [token], logprobs, finish, None, 0, queued
+                    )
                 step += 1
             self.finished.append(sub.request_id)
         finally:
@@ -148,4 +162,5 @@ class FakeEngineClient(EngineClient):
     async def stats(self) -> dict[str, Any]:
         if not self.alive:
             raise EngineDeadError("the fake engine is dead")
-        return {"num_running": 0, "num_waiting": 0, "kv_blocks_used": 0, "kv_cache_usage": 0.0}
+        await asyncio.sleep(self.stats_delay)
+        return dict(self.engine_stats)

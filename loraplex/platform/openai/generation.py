@@ -6,12 +6,16 @@ Events carry only safe text (whole characters, never part of a possible stop str
 ends when the engine finishes its sample or a stop string matches; when every choice of a prompt
 has ended, that prompt's engine stream is closed, which aborts whatever the engine still runs.
 Closing ``events()`` early (client gone, error) closes every stream: nothing keeps running.
+
+Timing for the metrics (``time.perf_counter()`` clock): when the first token of any choice
+arrived, the mean gap between consecutive tokens of a choice, and the engine's queue time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +53,9 @@ class _Choice:
     index: int
     detok: IncrementalDetokenizer
     done: bool = False
+    num_tokens: int = 0
+    first_token_time: float = 0.0  # perf_counter() times; meaningful once num_tokens > 0
+    last_token_time: float = 0.0
 
 
 @dataclass
@@ -74,6 +81,8 @@ class Generation:
         cache_extra_keys: tuple[str, ...] = (),
     ) -> None:
         self.usage = GenerationUsage(prompt_tokens=sum(len(p) for p in prompts))
+        self.first_token_time: float | None = None  # perf_counter() at the first token
+        self.queue_time: float | None = None  # the longest engine queue time of its samples
         self._runs: list[_PromptRun] = []
         n = params.n
         self.finish_reasons: list[str | None] = [None] * (n * len(prompts))
@@ -94,6 +103,18 @@ class Generation:
     def num_choices(self) -> int:
         return sum(len(run.choices) for run in self._runs)
 
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean seconds between consecutive tokens of a choice, over the choices with two
+        tokens or more; None when there are none."""
+        gaps = [
+            (c.last_token_time - c.first_token_time) / (c.num_tokens - 1)
+            for run in self._runs
+            for c in run.choices
+            if c.num_tokens > 1
+        ]
+        return sum(gaps) / len(gaps) if gaps else None
+
     async def events(self) -> AsyncGenerator[ChoiceEvent, None]:
         if len(self._runs) == 1:
             gen = self._run_events(self._runs[0])
@@ -111,6 +132,8 @@ class Generation:
         try:
             async for delta in run.stream:
                 run.cached_tokens = max(run.cached_tokens, delta.num_cached_tokens)
+                if delta.queue_time is not None:
+                    self.queue_time = max(self.queue_time or 0.0, delta.queue_time)
                 choice = run.choices[delta.index]
                 if choice.done:
                     continue  # ended by a stop string; the engine does not know
@@ -127,6 +150,14 @@ class Generation:
     def _advance(self, choice: _Choice, delta: RequestDelta) -> ChoiceEvent:
         ids = delta.new_token_ids
         self.usage.completion_tokens += len(ids)
+        if ids:
+            now = time.perf_counter()
+            if not choice.num_tokens:
+                choice.first_token_time = now
+            if self.first_token_time is None:
+                self.first_token_time = now
+            choice.last_token_time = now
+            choice.num_tokens += len(ids)
         out = choice.detok.push(ids)
         text, finish = out.new_text, None
         if out.stopped:

@@ -287,8 +287,9 @@ class OpenAIServing:
         record = request_record(request)
         record.request_id, record.caller, record.model = rid, caller.id, body.model
         record.user, record.stream = body.user, bool(body.stream)
+        record.tenant_id = caller.tenant_id
         model = self.resolver.resolve(caller, body.model)
-        record.lora_key = model.lora_key
+        record.served_model, record.lora_key = model.served_name, model.lora_key
         refuse(bool(body.logit_bias), "logit_bias", "logit_bias is not supported")
         if not self.client.healthy:
             raise engine_unavailable()
@@ -366,7 +367,7 @@ class OpenAIServing:
                     yield chunk
         except Exception as exc:
             error = _stream_error(exc)
-            record.error_code = error.code
+            record.error_code, record.stream_error_status = error.code, error.status
             yield sse(error.body())
         finally:
             _account(record, gen)
@@ -478,6 +479,10 @@ def _account(record: RequestRecord, gen: Generation) -> None:
     record.completion_tokens = gen.usage.completion_tokens
     record.cached_tokens = gen.usage.cached_tokens
     record.finish_reasons = [f or "none" for f in gen.finish_reasons]
+    record.generated = True
+    record.first_token_time = gen.first_token_time
+    record.time_per_output_token = gen.time_per_output_token
+    record.queue_time = gen.queue_time
 
 
 async def _until_disconnect(request: Request, work: Callable[[], Awaitable[None]]) -> bool:

@@ -1,0 +1,365 @@
+"""Prometheus metrics: ``GET /metrics`` in the text format, from one ``CollectorRegistry`` per app.
+
+Two sources:
+
+* **platform** metrics, observed once per finished API request from its ``RequestRecord`` (the
+  request log's observer): requests by status, prompt and generation tokens, time to first
+  token, time per output token, end-to-end latency, and the engine's queue time (carried on the
+  first output of each engine request);
+* **engine** metrics, read from ``EngineClient.stats()`` at scrape time (within
+  ``stats_timeout``): running and waiting requests, KV cache usage, prefix-cache queries and hits,
+  preemptions, adapter loads, evictions and residency per tier. When the engine does not answer,
+  the scrape still succeeds: ``loraplex_engine_healthy 0``, the engine's gauges left out, its
+  counters at their last known totals.
+
+Labels are bounded. ``model`` is the served name the request resolved to (the base model or a
+loaded adapter), or ``_unresolved`` when it did not resolve: never the string the caller sent.
+``tenant`` is the caller's tenant id from the registry, ``-`` for the operator (and, for now,
+everyone). ``endpoint`` is ``completions`` or ``chat_completions``; ``status`` the HTTP status
+(499: the client left first; an error sent inside a stream counts with that error's status).
+
+Engine counters stay monotonic across engine restarts: the engine process starts again from
+zero, so each counter carries an offset that grows by the last total seen before every reset (a
+reset is a change of ``engine_restarts``, or a total that went down). Increments between the last
+scrape and a crash are lost; the series never goes backwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from starlette.responses import Response
+
+from loraplex.engine.client import EngineClient
+from loraplex.platform.auth import SCOPE_ADMIN, bearer_token, get_caller
+from loraplex.platform.openai.errors import INVALID_REQUEST, PERMISSION, APIError
+from loraplex.platform.request_log import RequestRecord, request_record
+
+logger = logging.getLogger(__name__)
+
+UNRESOLVED_MODEL = "_unresolved"
+NO_TENANT = "-"
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+ANONYMOUS = "anonymous"  # the caller id OperatorKeyAuthenticator gives an open server's callers
+
+# Seconds. From a warm GPU (milliseconds) to a long prompt on a shared CPU (minutes).
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)  # fmt: skip
+TOKEN_GAP_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
+    0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+    10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0,
+)  # fmt: skip
+
+
+class PlatformMetrics:
+    """The app's metrics registry; ``observe`` each finished request, ``scrape`` for the text."""
+
+    def __init__(self, client: EngineClient, *, stats_timeout: float = 3.0) -> None:
+        self.client = client
+        self.stats_timeout = stats_timeout
+        self.registry = CollectorRegistry()
+        per_model = ("model", "tenant")
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, per_model, buckets=buckets, registry=self.registry)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = per_model) -> Counter:
+            return Counter(name, doc, labels, registry=self.registry)
+
+        self.requests = counter(
+            "loraplex_requests",
+            "Completion and chat-completion requests, by HTTP status (499: the client left).",
+            ("model", "tenant", "endpoint", "status"),
+        )
+        self.prompt_tokens = counter("loraplex_prompt_tokens", "Prompt tokens of requests run.")
+        self.generation_tokens = counter(
+            "loraplex_generation_tokens", "Tokens generated (also for requests left early)."
+        )
+        self.ttft = histogram(
+            "loraplex_time_to_first_token_seconds",
+            "From the request's arrival to its first generated token.",
+            LATENCY_BUCKETS,
+        )
+        self.tpot = histogram(
+            "loraplex_time_per_output_token_seconds",
+            "Mean time between consecutive tokens of a choice, one observation per request.",
+            TOKEN_GAP_BUCKETS,
+        )
+        self.e2e = histogram(
+            "loraplex_e2e_request_latency_seconds",
+            "From the request's arrival to its end, for requests that ran in the engine.",
+            E2E_BUCKETS,
+        )
+        self.queue_time = histogram(
+            "loraplex_request_queue_time_seconds",
+            "Time in the engine's waiting queue before first being scheduled.",
+            LATENCY_BUCKETS,
+        )
+        self.engine = EngineCollector()
+        self.registry.register(self.engine)
+        self._scrape_lock = asyncio.Lock()  # snapshots reach the collector in order
+
+    def observe(self, record: RequestRecord) -> None:
+        """Count a finished request (a ``RequestLogMiddleware`` observer)."""
+        endpoint = ENDPOINTS.get(record.path)
+        if endpoint is None:
+            return
+        model = record.served_model or UNRESOLVED_MODEL
+        tenant = record.tenant_id or NO_TENANT
+        status = record.stream_error_status or record.status or 500
+        self.requests.labels(model, tenant, endpoint, str(status)).inc()
+        if not record.generated:
+            return
+        self.prompt_tokens.labels(model, tenant).inc(record.prompt_tokens)
+        self.generation_tokens.labels(model, tenant).inc(record.completion_tokens)
+        self.e2e.labels(model, tenant).observe(record.latency())
+        if record.first_token_time is not None:
+            self.ttft.labels(model, tenant).observe(max(record.first_token_time - record.start, 0))
+        if record.time_per_output_token is not None:
+            self.tpot.labels(model, tenant).observe(record.time_per_output_token)
+        if record.queue_time is not None:
+            self.queue_time.labels(model, tenant).observe(record.queue_time)
+
+    async def scrape(self) -> bytes:
+        """The exposition text, with the engine's numbers as of now."""
+        async with self._scrape_lock:
+            stats: dict[str, Any] | None = None
+            if self.client.healthy:
+                try:
+                    stats = await asyncio.wait_for(self.client.stats(), self.stats_timeout)
+                except Exception as exc:  # a dead or hung engine: what engine_healthy reports
+                    logger.warning("metrics: no engine stats: %s: %s", type(exc).__name__, exc)
+            self.engine.update(stats)
+            return generate_latest(self.registry)
+
+
+# ---- engine metrics ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _EngineCounter:
+    key: str  # in EngineCore.stats()
+    name: str  # without _total
+    doc: str
+    tier: str | None = None  # the ``tier`` label of adapter counters
+
+
+ENGINE_COUNTERS = (
+    _EngineCounter(
+        "num_preemptions", "loraplex_preemptions", "Requests preempted (KV full; recomputed)."
+    ),
+    _EngineCounter(
+        "prefix_cache_queries",
+        "loraplex_prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache.",
+    ),
+    _EngineCounter(
+        "prefix_cache_hits",
+        "loraplex_prefix_cache_hits",
+        "Prompt tokens served from the prefix cache.",
+    ),
+    _EngineCounter(
+        "prefix_cache_evictions",
+        "loraplex_prefix_cache_evictions",
+        "Cached KV blocks evicted to hold other tokens.",
+    ),
+    _EngineCounter("num_steps", "loraplex_engine_steps", "Engine steps (forward passes)."),
+    _EngineCounter(
+        "num_prompt_tokens_computed",
+        "loraplex_engine_prompt_tokens_computed",
+        "Prompt tokens run through the model (cache hits excluded, recomputation included).",
+    ),
+    # device: copied into a device slot; host: parsed from disk into host memory.
+    _EngineCounter("lora_slot_loads", "loraplex_adapter_loads", "Adapter loads by tier.", "device"),
+    _EngineCounter("lora_disk_loads", "loraplex_adapter_loads", "Adapter loads by tier.", "host"),
+    _EngineCounter(
+        "lora_slot_evictions", "loraplex_adapter_evictions", "Adapter evictions by tier.", "device"
+    ),
+    _EngineCounter(
+        "lora_host_evictions", "loraplex_adapter_evictions", "Adapter evictions by tier.", "host"
+    ),
+)
+
+# stats key -> (gauge, help)
+ENGINE_GAUGES = {
+    "num_running": ("loraplex_requests_running", "Engine requests (samples) running."),
+    "num_waiting": ("loraplex_requests_waiting", "Engine requests (samples) waiting."),
+    "num_inflight": ("loraplex_engine_inflight_requests", "API requests in the engine client."),
+    "kv_cache_usage": ("loraplex_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1)."),
+    "kv_blocks_used": ("loraplex_kv_cache_used_blocks", "KV blocks in use."),
+    "kv_blocks_total": ("loraplex_kv_cache_usable_blocks", "KV blocks the engine can hand out."),
+}
+
+# stats key -> tier of loraplex_adapters_resident ("disk": every adapter registered)
+RESIDENCY = {
+    "lora_resident_device": "device",
+    "lora_resident_host": "host",
+    "lora_registered": "disk",
+}
+
+
+class MonotonicTotals:
+    """Engine totals made monotonic across engine restarts: ``total = value + offset``, the
+    offset growing by the last value seen before each reset."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self.keys = tuple(keys)
+        self._last: dict[str, float] = {}
+        self._offset: dict[str, float] = {}
+        self._restarts: int | None = None
+
+    def update(self, stats: dict[str, Any]) -> None:
+        restarts = stats.get("engine_restarts")
+        restarted = self._restarts is not None and restarts != self._restarts
+        self._restarts = restarts
+        for key in self.keys:
+            if key not in stats:
+                continue
+            value, last = float(stats[key]), self._last.get(key)
+            if last is not None and (restarted or value < last):
+                self._offset[key] = self._offset.get(key, 0.0) + last
+            self._last[key] = value
+
+    def total(self, key: str) -> float | None:
+        last = self._last.get(key)
+        return None if last is None else last + self._offset.get(key, 0.0)
+
+
+class EngineCollector:
+    """A prometheus collector over the latest ``stats()`` snapshot (``update`` before each
+    collection; ``None``: the engine did not answer)."""
+
+    def __init__(self) -> None:
+        self.healthy = False
+        self._stats: dict[str, Any] = {}
+        self._restarts: int | None = None  # kept by the client: monotonic already
+        self.totals = MonotonicTotals(c.key for c in ENGINE_COUNTERS)
+
+    def update(self, stats: dict[str, Any] | None) -> None:
+        self.healthy = stats is not None
+        self._stats = stats or {}
+        if stats is not None:
+            self.totals.update(stats)
+            self._restarts = stats.get("engine_restarts", self._restarts)
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families(include_all=True))
+
+    def collect(self) -> Iterable[Metric]:
+        return list(self._families(include_all=False))
+
+    def _families(self, include_all: bool) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "loraplex_engine_healthy",
+            "1 when the engine answered this scrape, else 0.",
+            value=1.0 if self.healthy else 0.0,
+        )
+        if include_all or self._restarts is not None:
+            yield CounterMetricFamily(
+                "loraplex_engine_restarts", "Engine process restarts.", value=self._restarts or 0
+            )
+        counters: dict[str, CounterMetricFamily] = {}
+        for c in ENGINE_COUNTERS:
+            total = self.totals.total(c.key)
+            if total is None and not include_all:
+                continue
+            family = counters.get(c.name)
+            if family is None:
+                labels = ["tier"] if c.tier else []
+                family = counters[c.name] = CounterMetricFamily(c.name, c.doc, labels=labels)
+            if total is not None:
+                family.add_metric([c.tier] if c.tier else [], total)
+        yield from counters.values()
+        queries = self.totals.total("prefix_cache_queries")
+        hits = self.totals.total("prefix_cache_hits")
+        if include_all or queries is not None:
+            yield GaugeMetricFamily(
+                "loraplex_prefix_cache_hit_rate",
+                "Prompt tokens served from the prefix cache, as a fraction of those looked up.",
+                value=(hits or 0.0) / queries if queries else 0.0,
+            )
+        for key, (name, doc) in ENGINE_GAUGES.items():
+            value = self._stats.get(key)
+            if include_all or value is not None:
+                yield GaugeMetricFamily(name, doc, value=float(value or 0))
+        resident = GaugeMetricFamily(
+            "loraplex_adapters_resident",
+            "Adapters per tier: device slots, host memory, disk (every registered adapter).",
+            labels=["tier"],
+        )
+        for key, tier in RESIDENCY.items():
+            if key in self._stats:
+                resident.add_metric([tier], float(self._stats[key]))
+        if include_all or resident.samples:
+            yield resident
+
+
+# ---- GET /metrics ------------------------------------------------------------------------------
+
+router = APIRouter()
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(request: Request) -> Response:
+    """The Prometheus text; needs the metrics token or an admin caller (open on an open server)."""
+    await authorize_scrape(request)
+    registry: PlatformMetrics = request.app.state.metrics
+    return Response(await registry.scrape(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def authorize_scrape(request: Request) -> None:
+    """Accepts ``Authorization: Bearer <metrics token>``, or any caller the app's authenticator
+    accepts with the admin scope (with a metrics token set, an open server's anonymous callers
+    are not accepted). 401 otherwise; 403 for an authenticated caller without the scope."""
+    secret = request.app.state.settings.metrics_token
+    expected = secret.get_secret_value().encode() if secret is not None else None
+    token = bearer_token(request)
+    if (
+        expected is not None
+        and token is not None
+        and hmac.compare_digest(token.encode("utf-8", "surrogatepass"), expected)
+    ):
+        request_record(request).caller = "metrics"
+        return
+    try:
+        caller = await get_caller(request)
+    except APIError as exc:
+        if exc.status != 401:
+            raise
+        raise _unauthorized(exc.code or "invalid_api_key") from None
+    if expected is not None and caller.id == ANONYMOUS:
+        raise _unauthorized("missing_api_key" if token is None else "invalid_api_key")
+    request_record(request).caller = caller.id
+    if not caller.has_scope(SCOPE_ADMIN):
+        raise APIError(
+            403,
+            "Only an operator may read /metrics; use the metrics token or an admin key.",
+            type=PERMISSION,
+            code="insufficient_scope",
+        )
+
+
+def _unauthorized(code: str) -> APIError:
+    return APIError(
+        401,
+        "GET /metrics needs the metrics token (--metrics-token) or an admin API key, sent as "
+        "'Authorization: Bearer <token>'.",
+        type=INVALID_REQUEST,
+        code=code,
+        headers={"WWW-Authenticate": "Bearer"},
+    )
