@@ -112,5 +112,8 @@ def create_app(
     app.include_router(metrics_router)
     # Outermost last: the request log wraps the body limit, so a 413 is logged (and counted) too.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
-    app.add_middleware(RequestLogMiddleware, observers=[metrics.observe])
+    # Components installed later (usage, the admin UI's charts) append to this list; the
+    # middleware reads it when Starlette builds the stack, at the first request.
+    app.state.request_observers = observers = [metrics.observe]
+    app.add_middleware(RequestLogMiddleware, observers=observers)
     return app

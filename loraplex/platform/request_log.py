@@ -89,18 +89,26 @@ RecordObserver = Callable[[RequestRecord], None]
 
 
 class RequestLogMiddleware:
-    """Logs one JSON line per HTTP request to ``loraplex.platform.requests`` (``/health`` and
-    ``/metrics`` at DEBUG, so probes and scrapers do not flood the log), then hands the finished
-    record to each of ``observers`` (whose failures are logged, never raised)."""
+    """Logs one JSON line per HTTP request to ``loraplex.platform.requests`` (``quiet_paths``,
+    exact, and ``quiet_prefixes`` at DEBUG, so probes, scrapers, the admin UI's polls and its
+    static files do not flood the log), then hands the finished record to each of ``observers``
+    (whose failures are logged, never raised)."""
 
     def __init__(
         self,
         app: ASGIApp,
-        quiet_paths: tuple[str, ...] = ("/health", "/metrics"),
+        quiet_paths: tuple[str, ...] = (
+            "/health",
+            "/metrics",
+            "/admin/overview.json",
+            "/admin/overview/charts",
+        ),
         observers: Sequence[RecordObserver] = (),
+        quiet_prefixes: tuple[str, ...] = ("/admin/static/",),
     ) -> None:
         self.app = app
         self.quiet_paths = quiet_paths
+        self.quiet_prefixes = quiet_prefixes
         self.observers = tuple(observers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -128,7 +136,9 @@ class RequestLogMiddleware:
         finally:
             if not done and (record.status is None or record.status < 400):
                 record.status = CLIENT_CLOSED
-            level = logging.DEBUG if scope["path"] in self.quiet_paths else logging.INFO
+            path = scope["path"]
+            quiet = path in self.quiet_paths or path.startswith(self.quiet_prefixes)
+            level = logging.DEBUG if quiet else logging.INFO
             logger.log(level, json.dumps(record.as_log()))
             for observe in self.observers:
                 try:

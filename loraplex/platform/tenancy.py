@@ -71,3 +71,7 @@ def install_tenancy(app: FastAPI, platform: Platform) -> None:
     quotas.install(app, platform)
     usage.install(app, platform)
     admin_api.install(app, platform)
+
+    from loraplex.webui import install_webui
+
+    install_webui(app, platform)

@@ -1,0 +1,53 @@
+"""The one place the web UI checks the operator's credential: the admin token of
+``loraplex.platform.admin_token`` (``LORAPLEX_ADMIN_TOKEN``, or the generated token whose SHA-256
+is stored in ``PlatformSetting``), compared by SHA-256 digest in constant time.
+
+A session remembers the ``credential_version`` it signed in under and is re-checked against the
+current one every few seconds, so changing the environment token or running
+``loraplex admin token rotate`` signs every browser out too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from sqlalchemy.orm import Session
+
+from loraplex.platform import admin_token
+from loraplex.platform.keys import parse_key
+from loraplex.platform.tenancy import Platform
+
+MAX_TOKEN_CHARS = 512
+
+
+def looks_like_tenant_key(candidate: str) -> bool:
+    return parse_key(candidate.strip()) is not None
+
+
+def _current_digest(platform: Platform, session: Session) -> str | None:
+    configured = admin_token.configured_token(platform.settings)
+    if configured is not None:
+        return admin_token.token_sha256(configured)
+    return admin_token.stored_digest(session)
+
+
+def credential_version(platform: Platform, session: Session) -> str | None:
+    """An opaque value that changes whenever the admin token does; None while there is none."""
+    digest = _current_digest(platform, session)
+    if digest is None:
+        return None
+    return hashlib.sha256(f"webui-session:{digest}".encode()).hexdigest()[:32]
+
+
+def verify_admin_token(platform: Platform, session: Session, candidate: str) -> str | None:
+    """The ``credential_version`` when ``candidate`` is the admin token, else None.
+
+    Runs in a worker thread (it may read the database). A tenant API key never matches.
+    """
+    candidate = candidate.strip()
+    if not candidate or len(candidate) > MAX_TOKEN_CHARS or looks_like_tenant_key(candidate):
+        return None
+    digest = _current_digest(platform, session)
+    if digest is None or not admin_token.digest_matches(candidate, digest):
+        return None
+    return credential_version(platform, session)
