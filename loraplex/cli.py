@@ -1,4 +1,5 @@
-"""The ``loraplex`` command: ``loraplex serve``, ``loraplex generate``, ``loraplex bench throughput``.
+"""The ``loraplex`` command: ``loraplex serve``, ``loraplex generate``, ``loraplex bench throughput``,
+``loraplex db ...`` (schema migrations) and ``loraplex admin ...`` (tenants, keys, admin token).
 
 Every failure prints one line, ``loraplex: error: ...``, and exits non-zero (2 for usage errors,
 1 for everything else); set ``LORAPLEX_DEBUG=1`` to see the traceback instead.
@@ -111,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
             ),
         )
     )
+    from loraplex.platform.admin_cli import add_commands as add_platform_commands
+
+    add_platform_commands(commands, _Parser)
     return parser
 
 
@@ -309,6 +313,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "bench" and args.bench == "throughput":
             return _throughput(args)
+        if args.command in ("db", "admin"):
+            from loraplex.platform.admin_cli import run as run_platform_command
+
+            return run_platform_command(args)
         raise UsageError(f"unknown command: {' '.join(args_list)}")
     except UsageError as e:
         print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)

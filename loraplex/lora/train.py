@@ -123,6 +123,10 @@ class TrainConfig:
     # torch threads while training (None: torch's default). On an oversubscribed machine one
     # thread can be 10x faster than two: OpenMP workers spin-wait for a core.
     threads: int | None = None
+    target_modules: tuple[str, ...] = tuple(TARGET_MODULES)
+    # float16 halves the file (the demo adapters ship in the repository); the engine loads
+    # either as float32.
+    save_dtype: Literal["float32", "float16"] = "float32"
 
     def __post_init__(self) -> None:
         if self.behaviour not in BEHAVIOURS:
@@ -134,6 +138,14 @@ class TrainConfig:
                 raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1; got {self.threads}")
+        unknown = [m for m in self.target_modules if m not in TARGET_MODULES]
+        if unknown or not self.target_modules:
+            raise ValueError(
+                f"target_modules must be a non-empty subset of {', '.join(TARGET_MODULES)}; "
+                f"got {', '.join(self.target_modules) or 'none'}"
+            )
+        if self.save_dtype not in ("float32", "float16"):
+            raise ValueError(f"save_dtype is float32 or float16; got {self.save_dtype!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be positive; got {self.lr}")
         if not self.output:
@@ -235,7 +247,7 @@ def _train(config: TrainConfig, progress: bool) -> TrainResult:
     lora = LoraConfig(
         r=config.rank,
         lora_alpha=config.alpha,
-        target_modules=TARGET_MODULES,
+        target_modules=list(config.target_modules),
         lora_dropout=0.0,
         bias="none",
         task_type="CAUSAL_LM",
@@ -280,6 +292,8 @@ def _train(config: TrainConfig, progress: bool) -> TrainResult:
 
     out = Path(config.output)
     out.mkdir(parents=True, exist_ok=True)
+    if config.save_dtype == "float16":
+        model = model.half()
     model.save_pretrained(str(out), safe_serialization=True)
     tail = losses[-10:]
     return TrainResult(
@@ -308,6 +322,14 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    p.add_argument("--rank", type=int, default=TrainConfig.rank)
+    p.add_argument("--alpha", type=int, default=TrainConfig.alpha)
+    p.add_argument(
+        "--target-modules",
+        default=",".join(TARGET_MODULES),
+        help="comma-separated projections to adapt (default: all seven)",
+    )
+    p.add_argument("--save-dtype", choices=("float32", "float16"), default="float32")
     a = p.parse_args(argv)
     return TrainConfig(
         output=a.output,
@@ -320,6 +342,10 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         batch_size=a.batch_size,
         lr=a.lr,
         threads=a.threads,
+        rank=a.rank,
+        alpha=a.alpha,
+        target_modules=tuple(m.strip() for m in a.target_modules.split(",") if m.strip()),
+        save_dtype=a.save_dtype,
     )
 
 

@@ -1,11 +1,422 @@
-"""(being written)"""
+"""The operator's JSON API under ``/admin/api``: tenants (with quotas), their keys, usage, the
+audit log and the engine's state.
+
+Every route needs the ``admin`` scope, which only the operator's admin token gives (tenant keys
+never carry it: 403; no or a bad token: 401). The tenant and key logic is
+``loraplex.platform.tenants`` (shared with the ``loraplex admin`` CLI); every change writes its
+audit event in the same transaction, with the operator as the actor. Request bodies ignore
+unknown fields, as OpenAI's do, except inside ``quotas``, where a misspelt limit must not pass
+silently.
+"""
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+import asyncio
+import datetime as dt
+import logging
+from functools import partial
+from typing import Any, Literal, Protocol
 
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StrictInt
+from sqlalchemy.orm import Session
+
+from loraplex.engine.client import EngineClient
+from loraplex.platform import audit, tenants, usage
+from loraplex.platform.auth import SCOPE_ADMIN, Caller, require_scope
+from loraplex.platform.db.models import ApiKey, Tenant, utcnow
+from loraplex.platform.keys import display_key
+from loraplex.platform.openai.errors import APIError, engine_unavailable
+from loraplex.platform.quotas import get_quotas
 from loraplex.platform.tenancy import Platform
+
+logger = logging.getLogger(__name__)
+
+MAX_PAGE = 500
+ENGINE_STATS_TIMEOUT_S = 5.0
+
+router = APIRouter(prefix="/admin/api", tags=["admin"])
+operator = Depends(require_scope(SCOPE_ADMIN))
+
+
+# ---- bodies and views --------------------------------------------------------------------------
+
+
+class QuotasBody(BaseModel):
+    """Limits; null = unlimited. In a PATCH only the limits given change."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    requests_per_minute: StrictInt | None = None
+    tokens_per_minute: StrictInt | None = None
+    max_concurrent_requests: StrictInt | None = None
+    max_adapters: StrictInt | None = None
+
+
+class TenantCreate(BaseModel):
+    name: str = Field(description="a slug: lowercase letters, digits, '-' and '_'")
+    display_name: str = Field("", max_length=200)
+    quotas: QuotasBody | None = None
+
+
+class TenantUpdate(BaseModel):
+    display_name: str | None = Field(None, max_length=200)
+    status: Literal["active", "suspended"] | None = None
+    quotas: QuotasBody | None = None
+
+
+class KeyCreate(BaseModel):
+    name: str = Field("", max_length=100)
+    scopes: list[str] | None = Field(None, description="default: inference, adapters:write")
+    expires_at: AwareDatetime | None = None
+
+
+class TenantView(BaseModel):
+    object: Literal["tenant"] = "tenant"
+    name: str
+    display_name: str
+    status: str
+    quotas: QuotasBody
+    created_at: dt.datetime
+    updated_at: dt.datetime
+
+    @classmethod
+    def of(cls, tenant: Tenant) -> TenantView:
+        return cls(
+            name=tenant.name,
+            display_name=tenant.display_name,
+            status=tenant.status,
+            quotas=QuotasBody(**{f: getattr(tenant, f) for f in tenants.QUOTA_FIELDS}),
+            created_at=tenant.created_at,
+            updated_at=tenant.updated_at,
+        )
+
+
+class TenantList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[TenantView]
+    total: int  # tenants matching ``search``
+    offset: int
+    limit: int
+
+
+class KeyView(BaseModel):
+    object: Literal["api_key"] = "api_key"
+    id: str  # the public id
+    name: str
+    display: str  # lpx_<public id>…<last 4>
+    scopes: list[str]
+    status: Literal["active", "expired", "revoked"]
+    created_at: dt.datetime
+    last_used_at: dt.datetime | None
+    expires_at: dt.datetime | None
+    revoked_at: dt.datetime | None
+
+    @classmethod
+    def of(cls, key: ApiKey, now: dt.datetime) -> KeyView:
+        status: Literal["active", "expired", "revoked"] = "active"
+        if key.revoked_at is not None:
+            status = "revoked"
+        elif key.expires_at is not None and now >= key.expires_at:
+            status = "expired"
+        return cls(
+            id=key.public_id,
+            name=key.name,
+            display=display_key(key.public_id, key.last4),
+            scopes=list(key.scopes),
+            status=status,
+            created_at=key.created_at,
+            last_used_at=key.last_used_at,
+            expires_at=key.expires_at,
+            revoked_at=key.revoked_at,
+        )
+
+
+class NewKeyView(KeyView):
+    key: str = Field(description="the whole key; shown this once, never again")
+
+
+class KeyList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[KeyView]
+
+
+class Deleted(BaseModel):
+    id: str
+    object: str
+    deleted: bool = True
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+
+def _platform(request: Request) -> Platform:
+    platform: Platform = request.app.state.platform
+    return platform
+
+
+async def _db(request: Request, fn: Any) -> Any:
+    return await _platform(request).db.run(fn)
+
+
+def _check_page(offset: int, limit: int) -> None:
+    if offset < 0:
+        raise APIError(400, f"offset must be 0 or more; got {offset}.", param="offset")
+    if not 1 <= limit <= MAX_PAGE:
+        raise APIError(400, f"limit must be from 1 to {MAX_PAGE}; got {limit}.", param="limit")
+
+
+class _GarbageCollector(Protocol):
+    async def collect_garbage(self) -> list[str]: ...
+
+
+async def _after_tenant_deleted(request: Request, tenant_id: int) -> None:
+    """A deleted tenant's rows are gone (the database cascades); its adapters' files and engine
+    copies go through the registry, its quota state here."""
+    quotas = get_quotas(request)
+    if quotas is not None:
+        quotas.forget(tenant_id)
+    registry: _GarbageCollector | None = getattr(request.app.state, "registry", None)
+    if registry is not None and hasattr(registry, "collect_garbage"):
+        try:
+            await registry.collect_garbage()
+        except Exception:  # the tenant is gone; its files wait for the next collection
+            logger.exception("removing the adapters of a deleted tenant failed")
+
+
+# ---- tenants -----------------------------------------------------------------------------------
+
+
+@router.get("/tenants", response_model=TenantList)
+async def list_tenants(
+    request: Request,
+    search: str = Query("", max_length=200, description="part of the name or display name"),
+    offset: int = 0,
+    limit: int = 50,
+    caller: Caller = operator,
+) -> TenantList:
+    _check_page(offset, limit)
+
+    def read(session: Session) -> TenantList:
+        rows, total = tenants.list_tenants(session, search=search, offset=offset, limit=limit)
+        return TenantList(
+            data=[TenantView.of(t) for t in rows], total=total, offset=offset, limit=limit
+        )
+
+    result: TenantList = await _db(request, read)
+    return result
+
+
+@router.post("/tenants", response_model=TenantView, status_code=201)
+async def create_tenant(request: Request, body: TenantCreate, caller: Caller = operator) -> Any:
+    quotas = body.quotas or QuotasBody()
+
+    def create(session: Session) -> TenantView:
+        tenant = tenants.create_tenant(
+            session,
+            caller.id,
+            body.name,
+            display_name=body.display_name,
+            quotas=tenants.Quotas(**quotas.model_dump()),
+        )
+        return TenantView.of(tenant)
+
+    return await _db(request, create)
+
+
+@router.get("/tenants/{tenant}", response_model=TenantView)
+async def get_tenant(request: Request, tenant: str, caller: Caller = operator) -> Any:
+    return await _db(request, lambda s: TenantView.of(tenants.require_tenant(s, tenant)))
+
+
+@router.patch("/tenants/{tenant}", response_model=TenantView)
+async def update_tenant(
+    request: Request, tenant: str, body: TenantUpdate, caller: Caller = operator
+) -> Any:
+    """Change the fields given; ``status`` "suspended" refuses the tenant's keys from their next
+    request, "active" resumes them."""
+    changed_quotas = None
+    if body.quotas is not None:
+        changed_quotas = {f: getattr(body.quotas, f) for f in body.quotas.model_fields_set}
+
+    def update(session: Session) -> tuple[int, TenantView]:
+        row = tenants.require_tenant(session, tenant)
+        tenants.update_tenant(
+            session,
+            caller.id,
+            row,
+            display_name=body.display_name,
+            status=body.status,
+            quotas=changed_quotas,
+        )
+        return row.id, TenantView.of(row)
+
+    tenant_id, view = await _db(request, update)
+    quotas = get_quotas(request)
+    if quotas is not None:
+        quotas.invalidate(tenant_id)  # new limits apply from the next request
+    return view
+
+
+@router.delete("/tenants/{tenant}", response_model=Deleted)
+async def delete_tenant(request: Request, tenant: str, caller: Caller = operator) -> Deleted:
+    """The tenant, its keys, adapters and usage rows; its audit events stay."""
+
+    def delete(session: Session) -> int:
+        row = tenants.require_tenant(session, tenant)
+        tenant_id = row.id
+        tenants.delete_tenant(session, caller.id, row)
+        return tenant_id
+
+    tenant_id: int = await _db(request, delete)
+    await _after_tenant_deleted(request, tenant_id)
+    return Deleted(id=tenant, object="tenant")
+
+
+# ---- keys --------------------------------------------------------------------------------------
+
+
+@router.post("/tenants/{tenant}/keys", response_model=NewKeyView, status_code=201)
+async def create_key(
+    request: Request, tenant: str, body: KeyCreate, caller: Caller = operator
+) -> Any:
+    """A new key; the response's ``key`` is the only time the secret is shown."""
+    now = utcnow()
+    if body.expires_at is not None and body.expires_at <= now:
+        raise APIError(
+            400,
+            "expires_at is in the past; give a future time (with a time zone), or leave it out "
+            "for a key that does not expire.",
+            param="expires_at",
+            code="invalid_expiry",
+        )
+
+    def create(session: Session) -> NewKeyView:
+        row = tenants.require_tenant(session, tenant)
+        key, new = tenants.create_key(
+            session,
+            caller.id,
+            row,
+            name=body.name,
+            scopes=body.scopes if body.scopes is not None else tenants.DEFAULT_KEY_SCOPES,
+            expires_at=body.expires_at,
+        )
+        return NewKeyView(**KeyView.of(key, now).model_dump(exclude={"object"}), key=new.token)
+
+    return await _db(request, create)
+
+
+@router.get("/tenants/{tenant}/keys", response_model=KeyList)
+async def list_keys(request: Request, tenant: str, caller: Caller = operator) -> Any:
+    now = utcnow()
+
+    def read(session: Session) -> KeyList:
+        row = tenants.require_tenant(session, tenant)
+        return KeyList(data=[KeyView.of(k, now) for k in tenants.list_keys(session, row)])
+
+    return await _db(request, read)
+
+
+@router.delete("/tenants/{tenant}/keys/{public_id}", response_model=KeyView)
+async def revoke_key(
+    request: Request, tenant: str, public_id: str, caller: Caller = operator
+) -> Any:
+    """Revoke (idempotent): the key is refused from its next request on."""
+
+    def revoke(session: Session) -> KeyView:
+        row = tenants.require_tenant(session, tenant)
+        return KeyView.of(tenants.revoke_key(session, caller.id, row, public_id), utcnow())
+
+    return await _db(request, revoke)
+
+
+# ---- usage, audit, engine ----------------------------------------------------------------------
+
+
+@router.get("/tenants/{tenant}/usage", response_model=usage.UsageReport)
+async def tenant_usage(
+    request: Request,
+    tenant: str,
+    start: str | None = None,
+    end: str | None = None,
+    caller: Caller = operator,
+) -> Any:
+    """One tenant's usage by day and model (``start``/``end``: UTC days, both included)."""
+    days = usage.parse_range(start, end)
+
+    def read(session: Session) -> usage.UsageReport:
+        row = tenants.require_tenant(session, tenant)
+        return usage.tenant_usage(session, row.id, days)
+
+    return await _db(request, read)
+
+
+@router.get("/usage", response_model=usage.UsageReport)
+async def all_usage(
+    request: Request, start: str | None = None, end: str | None = None, caller: Caller = operator
+) -> Any:
+    """Every tenant's usage by day, tenant and model."""
+    days = usage.parse_range(start, end)
+    return await _db(request, partial(usage.all_usage, days=days))
+
+
+@router.get("/audit")
+async def audit_log(
+    request: Request,
+    tenant: str | None = None,
+    action: str | None = Query(None, description="exact, or a prefix: 'key.' or 'key.*'"),
+    actor: str | None = None,
+    since: str | None = Query(None, description="ISO 8601 time or date (UTC if no zone)"),
+    until: str | None = Query(None, description="exclusive"),
+    before_id: int | None = Query(None, description="next_before_id of the previous page"),
+    limit: int = 100,
+    caller: Caller = operator,
+) -> dict[str, Any]:
+    """The audit log, newest first, in pages of at most 500 (keyset pagination)."""
+    filters = audit.parse_filter(
+        tenant=tenant, action=action, actor=actor, since=since, until=until
+    )
+    result: dict[str, Any] = await _db(
+        request, partial(audit.page, filters=filters, limit=limit, before_id=before_id)
+    )
+    return result
+
+
+@router.get("/engine")
+async def engine_state(request: Request, caller: Caller = operator) -> dict[str, Any]:
+    """The engine now: running and waiting requests, KV cache use, prefix-cache hit rate,
+    adapters per tier (device slots, host cache, registered), and the raw stats. 503 with the
+    reason when the engine does not answer."""
+    client: EngineClient = request.app.state.serving.client
+    if not client.healthy:
+        raise engine_unavailable("it is not running; it may be restarting")
+    try:
+        stats = await asyncio.wait_for(client.stats(), timeout=ENGINE_STATS_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise engine_unavailable(
+            f"it did not answer within {ENGINE_STATS_TIMEOUT_S:.0f} s"
+        ) from None
+    except Exception as exc:  # a dead engine is exactly what this reports
+        raise engine_unavailable(f"{type(exc).__name__}: {exc}"[:200]) from None
+    return {
+        "object": "engine",
+        "healthy": True,
+        "running": stats.get("num_running"),
+        "waiting": stats.get("num_waiting"),
+        "kv_cache_usage": stats.get("kv_cache_usage"),
+        "kv_blocks_used": stats.get("kv_blocks_used"),
+        "kv_blocks_total": stats.get("kv_blocks_total"),
+        "prefix_cache_hit_rate": stats.get("prefix_cache_hit_rate"),
+        "num_preemptions": stats.get("num_preemptions"),
+        "adapters": {
+            "device": stats.get("lora_resident_device"),
+            "host": stats.get("lora_resident_host"),
+            "registered": stats.get("lora_registered"),
+        },
+        "stats": stats,
+    }
 
 
 def install(app: FastAPI, platform: Platform) -> None:
-    """Install this component's state on ``app.state`` and its routes."""
+    """The ``/admin/api`` routes."""
+    app.include_router(router)

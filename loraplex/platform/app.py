@@ -19,6 +19,7 @@ from loraplex.platform.models import ModelResolver
 from loraplex.platform.openai.errors import install_error_handlers
 from loraplex.platform.openai.routes import router
 from loraplex.platform.openai.serving import OpenAIServing, ServingConfig
+from loraplex.platform.registry.upload import streams_own_body
 from loraplex.platform.request_log import BodyLimitMiddleware, RequestLogMiddleware
 
 
@@ -111,7 +112,9 @@ def create_app(
     app.include_router(router)
     app.include_router(metrics_router)
     # Outermost last: the request log wraps the body limit, so a 413 is logged (and counted) too.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=settings.max_request_bytes, exempt=streams_own_body
+    )
     # Components installed later (usage, the admin UI's charts) append to this list; the
     # middleware reads it when Starlette builds the stack, at the first request.
     app.state.request_observers = observers = [metrics.observe]

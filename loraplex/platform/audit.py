@@ -20,6 +20,7 @@ from loraplex.platform.db.models import (
     AuditEvent,
     Tenant,
 )
+from loraplex.platform.openai.errors import APIError
 
 ADMIN_ACTOR = "admin"
 
@@ -116,3 +117,94 @@ def events(
     if before_id is not None:
         query = query.where(AuditEvent.id < before_id)
     return list(session.scalars(query.order_by(AuditEvent.id.desc()).limit(limit)))
+
+
+# ---- the admin API's view ----------------------------------------------------------------------
+
+MAX_PAGE = 500
+
+
+def parse_time(value: str | None, param: str) -> dt.datetime | None:
+    """An ISO 8601 time or date from a query string (no zone: UTC); 400 when malformed."""
+    if value is None or value == "":
+        return None
+    try:
+        parsed = dt.datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise APIError(
+            400,
+            f"{param} must be an ISO 8601 time such as '2025-01-31T12:00:00Z' or a date such "
+            f"as '2025-01-31' (UTC); got {value[:40]!r}.",
+            param=param,
+            code="invalid_time",
+        ) from None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=dt.timezone.utc)
+
+
+def parse_filter(
+    *,
+    tenant: str | None = None,
+    action: str | None = None,
+    actor: str | None = None,
+    since: str | None = None,
+    until: str | None = None,
+) -> AuditFilter:
+    """An ``AuditFilter`` from query values; ``action`` "key.*" is the prefix "key."."""
+    if action is not None and action.endswith(".*"):
+        action = action[:-1]
+    return AuditFilter(
+        tenant_name=tenant or None,
+        action=action or None,
+        actor=actor or None,
+        since=parse_time(since, "since"),
+        until=parse_time(until, "until"),
+    )
+
+
+def check_page(limit: int, before_id: int | None) -> None:
+    if not 1 <= limit <= MAX_PAGE:
+        raise APIError(
+            400, f"limit must be from 1 to {MAX_PAGE}; got {limit}.", param="limit",
+            code="invalid_limit",
+        )  # fmt: skip
+    if before_id is not None and before_id < 1:
+        raise APIError(
+            400,
+            "before_id must be a positive event id: the next_before_id of the previous page.",
+            param="before_id",
+            code="invalid_cursor",
+        )
+
+
+def event_view(event: AuditEvent) -> dict[str, Any]:
+    """The JSON of one event for the admin API (snapshots hold no secrets, no paths)."""
+    return {
+        "id": event.id,
+        "object": "audit_event",
+        "created_at": event.created_at.isoformat(),
+        "actor": event.actor,
+        "tenant": event.tenant_name,
+        "action": event.action,
+        "object_type": event.object_type,
+        "object_id": event.object_id,
+        "before": event.before,
+        "after": event.after,
+        "ip": event.ip,
+    }
+
+
+def page(
+    session: Session, filters: AuditFilter, *, limit: int = 100, before_id: int | None = None
+) -> dict[str, Any]:
+    """One page, newest first: ``{"data": [...], "has_more", "next_before_id"}``; pass
+    ``next_before_id`` as ``before_id`` for the next (older) page."""
+    check_page(limit, before_id)
+    rows = events(session, filters, limit=limit + 1, before_id=before_id)
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return {
+        "object": "list",
+        "data": [event_view(e) for e in rows],
+        "has_more": more,
+        "next_before_id": rows[-1].id if more and rows else None,
+    }

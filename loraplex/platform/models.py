@@ -1,9 +1,17 @@
-"""Which model a request's ``model`` field names: the base model, or a loaded adapter.
+"""Which model a request's ``model`` field names: the base model, or an adapter.
 
-For now adapters are loaded by the operator (``/v1/load_lora_adapter``) and visible to every
-caller. With tenancy, ``list_models`` and ``resolve`` filter by ``caller.tenant_id`` here, in this
-one place, and another tenant's adapter is answered exactly like a missing one (404
-``model_not_found``). Filesystem paths never leave this module's callers.
+Without tenancy, adapters are loaded by the operator (``/v1/load_lora_adapter``, ``--lora-modules``)
+and visible to every caller. With tenancy installed, ``tenant_models`` (the adapter registry)
+answers for tenant callers, within their own tenant only: another tenant's adapter is answered
+exactly like a missing one (404 ``model_not_found``), and the operator's adapters are not theirs.
+Filesystem paths never leave this module's callers.
+
+``lookup`` and ``models`` are the async entry points (the registry reads the database and may
+load an adapter into the engine on first use); ``resolve`` and ``list_models`` are the operator's
+synchronous ones they fall back to.
+
+The resolved model also carries the prefix-cache keys of the request: the caller's tenant salt,
+except for base-model requests when the operator lets tenants share the base model's cache.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from loraplex.engine.client import AdapterInfo
 from loraplex.platform.auth import Caller
@@ -19,8 +28,10 @@ from loraplex.platform.openai.errors import APIError, model_not_found
 
 @dataclass(frozen=True)
 class ResolvedModel:
-    served_name: str  # what responses echo in their ``model`` field
+    served_name: str  # what responses echo in their ``model`` field ("name@N" for tenants)
     lora_key: str | None  # the adapter's content hash in the engine; None = the base model
+    cache_extra_keys: tuple[str, ...] = ()  # join the request's prefix-cache block hashes
+    adapter_version_id: int | None = None  # the registry's AdapterVersion (usage rows)
 
 
 @dataclass(frozen=True)
@@ -29,6 +40,19 @@ class ModelEntry:
     created: int
     parent: str | None  # the base model's served name, for adapters
     adapter: AdapterInfo | None = None
+    owned_by: str = "loraplex"  # the tenant's name, for a tenant's adapters
+
+
+class TenantModels(Protocol):
+    """The models of tenant callers (``caller.tenant_id`` set): the adapter registry."""
+
+    async def resolve(self, caller: Caller, name: str) -> ResolvedModel | None:
+        """The caller's adapter ``name`` / ``name@N``; None when the caller has none such."""
+        ...
+
+    async def list_models(self, caller: Caller) -> list[ModelEntry]:
+        """The caller's adapters (never the base model, never another tenant's)."""
+        ...
 
 
 class ModelResolver:
@@ -37,14 +61,43 @@ class ModelResolver:
         self._created = int(time.time())
         self._adapters: dict[str, ModelEntry] = {}
         self.lock = asyncio.Lock()  # held while the adapter set changes (load / unload)
+        self.tenant_models: TenantModels | None = None  # set when tenancy is installed
+        self.share_base_prefix_cache = False  # tenants' base-model requests share KV blocks
+
+    async def lookup(self, caller: Caller, name: str) -> ResolvedModel:
+        """The model ``name`` as ``caller`` may use it; 404 ``model_not_found`` otherwise."""
+        if name == self.base_name:
+            return self._base(caller)
+        if caller.tenant_id is not None and self.tenant_models is not None:
+            found = await self.tenant_models.resolve(caller, name)
+            if found is None:
+                raise model_not_found(name)
+            return found
+        return self.resolve(caller, name)
+
+    async def models(self, caller: Caller) -> list[ModelEntry]:
+        """What ``caller`` may use: the base model first, then adapters by name."""
+        if caller.tenant_id is not None and self.tenant_models is not None:
+            base = ModelEntry(self.base_name, self._created, None)
+            return [base, *await self.tenant_models.list_models(caller)]
+        return self.list_models(caller)
+
+    def _base(self, caller: Caller) -> ResolvedModel:
+        keys = () if self.share_base_prefix_cache else caller.cache_extra_keys
+        return ResolvedModel(self.base_name, None, keys)
 
     def resolve(self, caller: Caller, name: str) -> ResolvedModel:
+        """The operator's models only (synchronous; see ``lookup``)."""
         if name == self.base_name:
-            return ResolvedModel(self.base_name, None)
+            return self._base(caller)
         entry = self._adapters.get(name)
         if entry is None or entry.adapter is None:
             raise model_not_found(name)
-        return ResolvedModel(entry.name, entry.adapter.key)
+        return ResolvedModel(entry.name, entry.adapter.key, caller.cache_extra_keys)
+
+    def operator_keys(self) -> set[str]:
+        """Content hashes of the operator's adapters (the engine holds them for the operator)."""
+        return {e.adapter.key for e in self._adapters.values() if e.adapter is not None}
 
     def list_models(self, caller: Caller) -> list[ModelEntry]:
         base = ModelEntry(self.base_name, self._created, None)

@@ -37,7 +37,9 @@ class RequestRecord:
     model: str | None = None  # as the caller sent it (logged, never a metric label)
     served_model: str | None = None  # what ``model`` resolved to; None when it did not resolve
     tenant_id: str | None = None
+    key_id: str | None = None  # the public id of the tenant key used (usage rows)
     lora_key: str | None = None
+    adapter_version_id: int | None = None  # the registry's AdapterVersion id (usage rows)
     user: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -154,12 +156,18 @@ class BodyLimitMiddleware:
     after the body, ``receive`` passes through, so handlers still see ``http.disconnect``.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        exempt: Callable[[Scope], bool] = lambda scope: False,
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.exempt = exempt  # requests that stream and limit their own bodies (uploads)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or self.exempt(scope):
             await self.app(scope, receive, send)
             return
         declared = _content_length(scope)

@@ -96,7 +96,9 @@ def list_tenants(
     """One page of tenants ordered by name, and how many match ``search`` in all."""
     query = select(Tenant)
     if search:
-        pattern = f"%{search.lower()}%"
+        # The search is literal text: LIKE's wildcards in it match only themselves.
+        literal = search.lower().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        pattern = f"%{literal}%"
         query = query.where(
             or_(
                 Tenant.name.like(pattern, escape="\\"),
@@ -239,9 +241,7 @@ def create_key(
 
 
 def list_keys(session: Session, tenant: Tenant) -> list[ApiKey]:
-    return list(
-        session.scalars(TenantScope(session, tenant.id).select(ApiKey).order_by(ApiKey.id))
-    )
+    return list(session.scalars(TenantScope(session, tenant.id).select(ApiKey).order_by(ApiKey.id)))
 
 
 def key_not_found(public_id: str) -> APIError:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,12 +92,57 @@ def sse_events(text: str) -> list[Any]:
     return events
 
 
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[Any]:
+    """A PostgreSQL server for the whole session (tests/platform/pg.py); skips where there is
+    none, saying what is missing."""
+    from tests.platform.pg import PostgresServer, unavailable
+
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(f"PostgreSQL tests skipped: {reason}")
+    server = PostgresServer.start()
+    yield server
+    server.stop()
+
+
+DATABASES = ["sqlite", "postgresql"]
+
+
+@pytest.fixture(params=DATABASES)
+def database_url(request: pytest.FixtureRequest) -> Iterator[str | None]:
+    """A fresh database at the newest schema: None (the default SQLite file in the data dir) or
+    the URL of a new PostgreSQL database, dropped after the test."""
+    if request.param == "sqlite":
+        yield None
+        return
+    server = request.getfixturevalue("pg_server")
+    url = server.create_database()
+    yield url
+    server.drop_database(url)
+
+
+@pytest.fixture(params=DATABASES)
+def empty_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """The URL of a fresh, empty (never migrated) database: a SQLite file or PostgreSQL."""
+    if request.param == "sqlite":
+        from loraplex.platform.db.database import sqlite_url
+
+        yield sqlite_url(tmp_path / "empty.db")
+        return
+    server = request.getfixturevalue("pg_server")
+    url = server.create_database(migrated=False)
+    yield url
+    server.drop_database(url)
+
+
 @pytest.fixture
 async def tenancy(
-    tmp_path: Path, fake: FakeEngineClient, tokenizer: Any
+    tmp_path: Path, fake: FakeEngineClient, tokenizer: Any, database_url: str | None
 ) -> AsyncIterator[Any]:
-    """A multi-tenant app on the fake engine (see tests/platform/tenancy_env.py)."""
+    """A multi-tenant app on the fake engine (see tests/platform/tenancy_env.py), once on SQLite
+    and once on PostgreSQL."""
     from tests.platform.tenancy_env import tenancy_env
 
-    async with tenancy_env(tmp_path, fake, tokenizer) as env:
+    async with tenancy_env(tmp_path, fake, tokenizer, database_url=database_url) as env:
         yield env

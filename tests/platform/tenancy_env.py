@@ -1,12 +1,19 @@
-"""A multi-tenant app on the fake engine, with a fresh SQLite database per test.
+"""A multi-tenant app on the fake engine, with a fresh database per test.
 
-``env = TenancyEnv.build(...)``; ``env.http`` is an httpx client on the app, ``env.tenant(name)``
-creates a tenant with a key and returns the key, ``env.admin_headers`` authenticates as the
-operator.
+``async with tenancy_env(tmp_path, fake, tokenizer) as env``: ``env.http`` is an httpx client on
+the app, ``env.tenant(name)`` creates a tenant with a key and returns the key,
+``env.admin_headers`` authenticates as the operator. The database is a SQLite file in the data
+directory, or ``database_url=`` (the ``tenancy`` fixture passes a fresh PostgreSQL database for
+its ``postgresql`` half). Its schema comes from the migrations, as in production: a SQLite
+template migrated once per session is copied for each test (migrating each one is slower).
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
+import shutil
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -14,10 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from sqlalchemy.engine import make_url
 
 from loraplex.platform import tenants
 from loraplex.platform.app import ServerSettings, create_app
-from loraplex.platform.db.models import Base
+from loraplex.platform.db import migrate
+from loraplex.platform.db.database import sqlite_url
 from loraplex.platform.tenancy import Platform, TenancySettings, install_tenancy
 from tests.platform.fakes import FakeEngineClient
 
@@ -28,9 +37,31 @@ def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
+@functools.cache
+def sqlite_template() -> Path:
+    """A SQLite file migrated to head, once per process (in WAL mode, checkpointed: one file)."""
+    folder = Path(tempfile.mkdtemp(prefix="loraplex-schema-"))
+    atexit.register(shutil.rmtree, folder, True)
+    path = folder / "template.db"
+    migrate.upgrade(sqlite_url(path))  # its engine is disposed: the WAL is folded into the file
+    return path
+
+
+def _sqlite_file(platform: Platform) -> Path | None:
+    database = make_url(platform.db.url).database if platform.db.is_sqlite else None
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    return Path(database)
+
+
 def prepare_schema(platform: Platform) -> None:
-    """Bring the test database to the current schema."""
-    Base.metadata.create_all(platform.db.engine)
+    """Bring the test database to the newest schema through the migrations."""
+    path = _sqlite_file(platform)
+    if path is not None and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(sqlite_template(), path)
+        return
+    migrate.upgrade(platform.db.engine)  # a no-op for a database made from a migrated template
 
 
 @dataclass
@@ -63,7 +94,10 @@ class TenancyEnv:
 
 
 def platform_for(tmp_path: Path, **settings: Any) -> Platform:
-    tenancy = TenancySettings(data_dir=tmp_path / "data", admin_token=ADMIN_TOKEN, **settings)
+    # admin_token=None in ``settings``: the platform generates one (see admin_token.ensure).
+    tenancy = TenancySettings(
+        **{"data_dir": tmp_path / "data", "admin_token": ADMIN_TOKEN, **settings}
+    )
     platform = Platform.open(tenancy)
     prepare_schema(platform)
     return platform

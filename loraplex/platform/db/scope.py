@@ -24,6 +24,17 @@ from loraplex.platform.db.models import (
 M = TypeVar("M", ApiKey, Adapter, UsageRecord, UsageDaily)
 
 
+def find_key(session: Session, public_id: str) -> tuple[ApiKey, Tenant] | None:
+    """The key with ``public_id`` and its tenant, whichever tenant it is. The one lookup that
+    crosses tenants: authentication, which is what tells whose request it is."""
+    row = session.execute(
+        select(ApiKey, Tenant)
+        .join(Tenant, ApiKey.tenant_id == Tenant.id)
+        .where(ApiKey.public_id == public_id)
+    ).first()
+    return (row[0], row[1]) if row is not None else None
+
+
 class TenantScope:
     def __init__(self, session: Session, tenant_id: int) -> None:
         self.session = session

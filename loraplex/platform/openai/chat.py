@@ -56,12 +56,19 @@ def _template_message(message: ChatMessage, i: int) -> dict[str, Any]:
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise invalid_request(
-                    f"messages[{i}].content[{j}] is a {clip(part.type, 40)} part; this model takes only "
-                    "text parts ({'type': 'text', 'text': ...}).",
+                    f"messages[{i}].content[{j}] is a {clip(part.type, 40)} part; this model "
+                    "takes only text parts ({'type': 'text', 'text': ...}).",
                     f"messages[{i}].content[{j}].type",
                     "unsupported_content",
+                )
+            if part.text is None:
+                raise invalid_request(
+                    f"messages[{i}].content[{j}] is a text part without its 'text'; send "
+                    "{'type': 'text', 'text': ...}.",
+                    f"messages[{i}].content[{j}].text",
+                    "missing_text",
                 )
             parts.append(part.text)
         text = "\n".join(parts)

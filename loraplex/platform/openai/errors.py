@@ -161,9 +161,16 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     if param is None:
         if kind == "missing":
             return "The request has no body; send a JSON object with the request fields.", None
+        if isinstance(err.get("input"), bytes | bytearray):
+            # FastAPI parses JSON only under a JSON Content-Type (curl -d sends a form's).
+            return (
+                "The request body was not read as JSON because the request's Content-Type is "
+                "missing or not JSON; send it with 'Content-Type: application/json'.",
+                None,
+            )
         return (
             "The request body must be a JSON object (with 'Content-Type: application/json'); "
-            f"{err.get('msg', 'it is not')}.",
+            f"{_lower_first(str(err.get('msg', 'it is not')))}.",
             None,
         )
     msg = str(err.get("msg", "is invalid")).removeprefix("Value error, ")
@@ -178,10 +185,14 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
         param = loc_to_param(loc[:tag]) or param
         text = f"Invalid value for '{param}': it must be {hint}."
     else:
-        text = f"Invalid value for '{param}': {msg[0].lower() + msg[1:] if msg else msg}."
+        text = f"Invalid value for '{param}': {_lower_first(msg)}."
     if more:
         text += f" ({more} more problem{'s' if more > 1 else ''} in the request.)"
     return text, param
+
+
+def _lower_first(text: str) -> str:
+    return text[:1].lower() + text[1:]
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -244,10 +255,24 @@ def _http_error(exc: StarletteHTTPException) -> APIError:
             headers=headers,
         )
     if status == 400:
-        # FastAPI's answer to a body it cannot decode (bytes that are not UTF-8, for one).
+        # FastAPI's answer to a body json.loads fails on other than by a syntax error.
         return invalid_request(
-            "The request body could not be parsed: send UTF-8 encoded JSON with "
-            "'Content-Type: application/json'.",
+            f"The request body could not be parsed: {_body_problem(exc.__cause__)}.",
             code="invalid_body",
         )
     return APIError(status, str(exc.detail), headers=headers)
+
+
+def _body_problem(cause: BaseException | None) -> str:
+    """What was wrong with a body FastAPI could not decode (``cause``: what json.loads raised)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (
+            f"byte {cause.start} is not valid UTF-8; send the JSON encoded as UTF-8 with "
+            "'Content-Type: application/json'"
+        )
+    if isinstance(cause, RecursionError):
+        return "it nests arrays or objects too deeply; send a flatter JSON document"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        # int() refuses over sys.get_int_max_str_digits() digits (4300 by default)
+        return "a number in it has thousands of digits; no field takes a number that long"
+    return "send UTF-8 encoded JSON with 'Content-Type: application/json'"

@@ -24,7 +24,7 @@ def sampling_params(
     n = body.n or 1
     if n > max_n:
         raise invalid_request(
-            f"n is {n}, more than the {max_n} samples this server makes for one "
+            f"n is {readable(n)}, more than the {max_n} samples this server makes for one "
             "request; ask for fewer, or send several requests.",
             "n",
         )
@@ -73,8 +73,9 @@ def check_context(
     if max_tokens is not None and prompt_len + max_tokens > limit:
         raise invalid_request(
             f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} {where}, {max_tokens} in the "
-            f"completion). Please reduce the length of the {prompt_param} or set {tokens_param} "
+            f"{readable(prompt_len + max_tokens)} tokens ({prompt_len} {where}, "
+            f"{readable(max_tokens)} in the completion). Please reduce the length of the "
+            f"{prompt_param} or set {tokens_param} "
             f"to at most {limit - prompt_len}.",
             tokens_param,
             "context_length_exceeded",
@@ -97,6 +98,14 @@ def params_error(exc: ValueError, tokens_param: str) -> APIError:
 def refuse(condition: bool, param: str, why: str) -> None:
     if condition:
         raise invalid_request(f"{why}; remove '{param}' from the request.", param, "unsupported")
+
+
+def readable(n: int) -> str:
+    """``n`` for a message; a number too long to read (JSON allows 4300 digits) by its size."""
+    digits = str(abs(n))
+    if len(digits) <= 15:
+        return str(n)
+    return f"{'-' if n < 0 else ''}about 10^{len(digits) - 1}"
 
 
 def sentence(message: str) -> str:

@@ -1,16 +1,26 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic).
 
 Requests ignore unknown fields, as OpenAI does. Numbers and booleans are strict (``"n": true``,
-``"temperature": "hot"`` and ``"max_tokens": 16.5`` are 400s, not coerced); floats must be finite;
-every string must be valid Unicode (a lone surrogate escape such as ``"\\ud800"`` is refused here,
-before it reaches the tokenizer). Fields marked "extension" are vLLM's, not OpenAI's.
+``"temperature": "hot"`` and ``"max_tokens": 16.5`` are 400s, not coerced; ``16.0`` is the integer
+16, as JSON Schema's ``integer`` says, so the published schema holds); floats must be finite; every
+string must be valid Unicode (a lone surrogate escape such as ``"\\ud800"`` is refused here, before
+it reaches the tokenizer). Fields marked "extension" are vLLM's, not OpenAI's.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from functools import cache
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StringConstraints,
+    model_validator,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
@@ -28,14 +38,47 @@ def _valid_unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+# The length limit sits before the Unicode check: pydantic words a limit on the check's result as
+# "at most 256 items" (and so a Field(max_length) on an optional Text would).
+ShortText = Annotated[str, StringConstraints(max_length=256), AfterValidator(_valid_unicode)]
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]  # accepts JSON integers, refuses strings and booleans
 Bool = Annotated[bool, Strict()]
-TokenIds = list[Int]
+# Any int64 passes here (the engine checks the vocabulary and names the bad id); a longer number
+# is refused here, so no message repeats a 4000-digit value.
+TokenId = Annotated[int, Strict(), Field(ge=-_INT64, lt=_INT64)]
+TokenIds = list[TokenId]
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data: Any) -> Any:
+        """``16.0`` is the integer 16 (as in JSON Schema, so the published schema holds); done
+        here, not with a ``BeforeValidator`` on ``Int``, which would garble the schema's bounds."""
+        if not isinstance(data, dict):
+            return data
+        fields = _int_fields(cls)
+        return {k: _integral(v) if k in fields else v for k, v in data.items()}
+
+
+@cache
+def _int_fields(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(n for n, f in model.model_fields.items() if _mentions_int(f.annotation))
+
+
+def _mentions_int(annotation: Any) -> bool:
+    return annotation is int or any(_mentions_int(a) for a in get_args(annotation))
+
+
+def _integral(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    return value
 
 
 class StreamOptions(_Request):
@@ -57,12 +100,12 @@ class SamplingFields(_Request):
     presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, Any] | None = None  # refused when non-empty: not supported
-    user: Text | None = Field(None, max_length=256)
+    user: ShortText | None = None
     # extensions
     top_k: Int | None = Field(None, ge=-1)
     min_p: Float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: Float | None = Field(None, gt=0.0)
-    stop_token_ids: list[Int] | None = None
+    stop_token_ids: TokenIds | None = None
     ignore_eos: Bool | None = False
     skip_special_tokens: Bool | None = True
     include_stop_str_in_output: Bool | None = False
@@ -106,6 +149,19 @@ class ChatCompletionRequest(SamplingFields):
 
 
 # ---- responses -------------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx body (``errors.APIError``); for the routes' documented ``responses``."""
+
+    error: ErrorInfo
 
 
 class PromptTokensDetails(BaseModel):

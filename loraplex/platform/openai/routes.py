@@ -54,7 +54,11 @@ def _serving(request: Request) -> OpenAIServing:
 
 def _card(entry: ModelEntry, max_model_len: int) -> ModelCard:
     return ModelCard(
-        id=entry.name, created=entry.created, parent=entry.parent, max_model_len=max_model_len
+        id=entry.name,
+        created=entry.created,
+        owned_by=entry.owned_by,
+        parent=entry.parent,
+        max_model_len=max_model_len,
     )
 
 
@@ -62,7 +66,7 @@ def _card(entry: ModelEntry, max_model_len: int) -> ModelCard:
 async def list_models(request: Request, caller: Caller = inference_caller) -> ModelList:
     serving = _serving(request)
     limit = serving.client.info.max_model_len
-    return ModelList(data=[_card(e, limit) for e in serving.resolver.list_models(caller)])
+    return ModelList(data=[_card(e, limit) for e in await serving.resolver.models(caller)])
 
 
 @router.get("/v1/models/{name:path}", response_model=ModelCard)
@@ -70,7 +74,7 @@ async def retrieve_model(
     name: str, request: Request, caller: Caller = inference_caller
 ) -> ModelCard:
     serving = _serving(request)
-    for entry in serving.resolver.list_models(caller):
+    for entry in await serving.resolver.models(caller):
         if entry.name == name:
             return _card(entry, serving.client.info.max_model_len)
     raise model_not_found(name)
@@ -82,6 +86,7 @@ async def create_completion(
 ) -> CompletionResponse | Response:
     result = await _serving(request).completions(body, caller, request)
     response.headers["X-Request-Id"] = request_record(request).request_id or ""
+    response.headers.update(getattr(request.state, "rate_limit_headers", {}))
     return result
 
 
@@ -94,6 +99,7 @@ async def create_chat_completion(
 ) -> ChatCompletionResponse | Response:
     result = await _serving(request).chat(body, caller, request)
     response.headers["X-Request-Id"] = request_record(request).request_id or ""
+    response.headers.update(getattr(request.state, "rate_limit_headers", {}))
     return result
 
 

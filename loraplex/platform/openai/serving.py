@@ -50,6 +50,7 @@ from loraplex.platform.openai.protocol import (
     Usage,
 )
 from loraplex.platform.openai.sse import DONE, SSEResponse, sse
+from loraplex.platform.quotas import estimate_tokens, get_quotas
 from loraplex.platform.request_log import CLIENT_CLOSED, RequestRecord, request_record
 from loraplex.sampling_params import SamplingParams
 
@@ -96,7 +97,7 @@ class OpenAIServing:
         self, body: CompletionRequest, caller: Caller, request: Request
     ) -> CompletionResponse | Response:
         rid = f"cmpl-{uuid.uuid4().hex}"
-        record, model = self._begin(rid, body, caller, request)
+        record, model = await self._begin(rid, body, caller, request)
         refuse(bool(body.echo), "echo", "echo is not supported; prepend the prompt yourself")
         refuse(body.suffix is not None, "suffix", "suffix (insertion) is not supported")
         refuse(
@@ -107,13 +108,16 @@ class OpenAIServing:
         tokenizer = await self.tokenizer()
         prompts = self._completion_prompts(body, tokenizer)
         params = self._params(body, prompts, "prompt", body.max_tokens, "max_tokens", body.logprobs)
+        headers = await self._admit(request, record, caller, prompts, params)
         gen = self._open(rid, prompts, params, model, caller, "prompt", tokenizer)
         created = int(time.time())
         want_lp = body.logprobs is not None
         if body.stream:
             include_usage = _include_usage(body)
             events = self._completion_stream(gen, rid, created, model, include_usage, want_lp)
-            return SSEResponse(self._guarded(events, gen, record), headers={"X-Request-Id": rid})
+            return SSEResponse(
+                self._guarded(events, gen, record), headers={"X-Request-Id": rid, **headers}
+            )
         choices = [_Collected(i) for i in range(gen.num_choices)]
         if not await self._collect(gen, choices, request, record):
             return ClientGone()
@@ -205,7 +209,7 @@ class OpenAIServing:
         self, body: ChatCompletionRequest, caller: Caller, request: Request
     ) -> ChatCompletionResponse | Response:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        record, model = self._begin(rid, body, caller, request)
+        record, model = await self._begin(rid, body, caller, request)
         refuse(bool(body.tools), "tools", "tools (function calling) are not supported")
         refuse(bool(body.functions), "functions", "functions are not supported")
         refuse(
@@ -225,12 +229,15 @@ class OpenAIServing:
             max_tokens, tokens_param = body.max_completion_tokens, "max_completion_tokens"
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, [prompt], "messages", max_tokens, tokens_param, top_n)
+        headers = await self._admit(request, record, caller, [prompt], params)
         gen = self._open(rid, [prompt], params, model, caller, "messages", tokenizer)
         created = int(time.time())
         if body.stream:
             include_usage = _include_usage(body)
             events = self._chat_stream(gen, rid, created, model, include_usage, top_n is not None)
-            return SSEResponse(self._guarded(events, gen, record), headers={"X-Request-Id": rid})
+            return SSEResponse(
+                self._guarded(events, gen, record), headers={"X-Request-Id": rid, **headers}
+            )
         choices = [_Collected(i) for i in range(gen.num_choices)]
         if not await self._collect(gen, choices, request, record):
             return ClientGone()
@@ -281,19 +288,41 @@ class OpenAIServing:
 
     # ---- shared ------------------------------------------------------------------------------
 
-    def _begin(
+    async def _begin(
         self, rid: str, body: SamplingFields, caller: Caller, request: Request
     ) -> tuple[RequestRecord, ResolvedModel]:
         record = request_record(request)
         record.request_id, record.caller, record.model = rid, caller.id, body.model
         record.user, record.stream = body.user, bool(body.stream)
-        record.tenant_id = caller.tenant_id
-        model = self.resolver.resolve(caller, body.model)
+        record.tenant_id, record.key_id = caller.tenant_id, caller.key_id
+        model = await self.resolver.lookup(caller, body.model)
         record.served_model, record.lora_key = model.served_name, model.lora_key
+        record.adapter_version_id = model.adapter_version_id
         refuse(bool(body.logit_bias), "logit_bias", "logit_bias is not supported")
         if not self.client.healthy:
             raise engine_unavailable()
         return record, model
+
+    async def _admit(
+        self,
+        request: Request,
+        record: RequestRecord,
+        caller: Caller,
+        prompts: list[list[int]],
+        params: SamplingParams,
+    ) -> dict[str, str]:
+        """Take the caller's quotas (429 when over) before anything reaches the engine; the
+        slot is released by the quota manager's request observer when the request ends. Returns
+        the ``x-ratelimit-*`` headers for the response."""
+        quotas = get_quotas(request)
+        if quotas is None:
+            return {}
+        estimate = estimate_tokens(
+            prompts, params.n, params.max_tokens, self.client.info.max_model_len
+        )
+        lease = await quotas.admit(caller, estimate, record=record)
+        request.state.rate_limit_headers = lease.headers
+        return lease.headers
 
     def _params(
         self,
@@ -333,7 +362,7 @@ class OpenAIServing:
                 prompts,
                 params,
                 lora_key=model.lora_key,
-                cache_extra_keys=caller.cache_extra_keys,
+                cache_extra_keys=model.cache_extra_keys,
             )
         except ValueError as exc:  # the engine's own checks (token ids, KV cache size, adapter)
             message = str(exc)

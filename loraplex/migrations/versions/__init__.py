@@ -1,0 +1,1 @@
+"""One module per schema revision, ``NNNN_<slug>.py``, applied in ``down_revision`` order."""

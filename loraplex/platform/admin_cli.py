@@ -1,0 +1,372 @@
+"""``loraplex db ...`` and ``loraplex admin ...``: the schema, tenants, keys and the admin token,
+from the shell, on the same database as the server (it may be running).
+
+Settings come from ``LORAPLEX_*`` (``TenancySettings``); ``--database-url`` and ``--data-dir``
+override them. A new key or admin token is printed alone on stdout (``KEY=$(loraplex admin key
+create acme)``), once; notes go to stderr. Every change is audited with the actor ``admin (cli)``.
+Failures print one line, ``loraplex: error: ...``, and exit 1. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from loraplex.platform import admin_token, tenants
+from loraplex.platform.db import migrate
+from loraplex.platform.db.database import Database
+from loraplex.platform.db.models import utcnow
+from loraplex.platform.db.scope import TenantScope
+from loraplex.platform.keys import PREFIX, display_key
+from loraplex.platform.openai.errors import APIError
+from loraplex.platform.tenancy import TenancySettings
+
+CLI_ACTOR = "admin (cli)"
+
+
+class CommandError(Exception):
+    """A failure to report in one line (exit 1)."""
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _scopes(text: str) -> list[str]:
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def add_commands(commands: Any, parser_class: type[argparse.ArgumentParser]) -> None:
+    """Register ``db`` and ``admin`` on the CLI's subcommands (an argparse subparsers action);
+    nested subcommands use ``parser_class``."""
+    common = argparse.ArgumentParser(add_help=False)
+    where = common.add_argument_group("database")
+    where.add_argument(
+        "--database-url", default=None, metavar="URL",
+        help="any SQLAlchemy URL (default: LORAPLEX_DATABASE_URL, or DATA_DIR/loraplex.db)",
+    )  # fmt: skip
+    where.add_argument(
+        "--data-dir", type=Path, default=None, metavar="DIR",
+        help="the platform's data directory (default: LORAPLEX_DATA_DIR)",
+    )  # fmt: skip
+
+    def group(parent: Any, name: str, help: str, dest: str) -> Any:
+        p = parent.add_parser(name, help=help, description=help)
+        sub = p.add_subparsers(dest=dest, metavar="COMMAND", parser_class=parser_class)
+        sub.required = True
+        return sub
+
+    def leaf(parent: Any, name: str, help: str) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = parent.add_parser(
+            name, help=help, description=help, parents=[common]
+        )
+        return p
+
+    db = group(commands, "db", "the platform database's schema (Alembic migrations)", "db_command")
+    p = leaf(db, "upgrade", "migrate the database to the newest schema (or to REVISION)")
+    p.add_argument("revision", nargs="?", default="head", metavar="REVISION")
+    p = leaf(db, "downgrade", "migrate the database down to REVISION ('base': drop every table)")
+    p.add_argument("revision", metavar="REVISION")
+    leaf(db, "current", "print the database's schema revision")
+
+    admin = group(commands, "admin", "manage tenants, their API keys, the admin token", "admin_on")
+    tenant = group(admin, "tenant", "tenants", "tenant_command")
+    p = leaf(tenant, "create", "create a tenant")
+    p.add_argument("name", metavar="NAME", help="lowercase letters, digits, '-', '_'")
+    p.add_argument("--display-name", default="")
+    p.add_argument("--rpm", type=_positive, default=None, help="requests per minute")
+    p.add_argument("--tpm", type=_positive, default=None, help="tokens per minute")
+    p.add_argument("--max-concurrent", type=_positive, default=None, help="concurrent requests")
+    p.add_argument("--max-adapters", type=_positive, default=None, help="adapters it may own")
+    leaf(tenant, "list", "list the tenants")
+
+    key = group(admin, "key", "tenants' API keys", "key_command")
+    p = leaf(key, "create", "create an API key for TENANT and print it (shown only this once)")
+    p.add_argument("tenant", metavar="TENANT")
+    p.add_argument("--name", default="", help="a label for the key")
+    p.add_argument(
+        "--scopes", type=_scopes, default=list(tenants.DEFAULT_KEY_SCOPES),
+        help=f"comma-separated, from {','.join(tenants.TENANT_SCOPES)} (default: both)",
+    )  # fmt: skip
+    p.add_argument("--expires-in-days", type=_positive, default=None, metavar="N")
+    p = leaf(key, "list", "list TENANT's keys (never their secrets)")
+    p.add_argument("tenant", metavar="TENANT")
+    p = leaf(key, "revoke", "revoke a key: it is refused from the next request on")
+    p.add_argument("tenant", metavar="TENANT")
+    p.add_argument("public_id", metavar="PUBLIC_ID", help="as listed (lpx_<id>…) or the id alone")
+
+    token = group(admin, "token", "the operator's admin token", "token_command")
+    leaf(token, "rotate", "replace the admin token and print the new one (the old one stops)")
+
+
+def settings_from(args: argparse.Namespace) -> TenancySettings:
+    overrides = {"data_dir": args.data_dir, "database_url": args.database_url}
+    return TenancySettings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def shown_url(url: str) -> str:
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def run(args: argparse.Namespace, out: Any = None, err: Any = None) -> int:
+    """Run a ``db`` or ``admin`` command; 0 on success, 1 after printing one line on failure."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    where = ""
+    try:
+        settings = settings_from(args)
+        where = f" ({shown_url(settings.resolved_database_url)})"
+        if args.command == "db":
+            _db(args, settings, out)
+        else:
+            _admin(args, settings, out, err)
+        return 0
+    except CommandError as exc:
+        message = str(exc)
+    except APIError as exc:
+        message = _cli_message(exc)
+    except (migrate.MigrationError, admin_token.AdminTokenError, ValueError, OSError) as exc:
+        message = str(exc)
+    except SQLAlchemyError as exc:
+        first = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+        message = f"database error{where}: {first[0] if first else type(exc).__name__}"
+    print(f"loraplex: error: {' '.join(message.split())}", file=err)
+    return 1
+
+
+def _cli_message(exc: APIError) -> str:
+    if exc.code == "tenant_not_found":
+        return f"{exc.message.split(';')[0]}; 'loraplex admin tenant list' lists them"
+    if exc.code == "key_not_found":
+        return f"{exc.message.split(';')[0]}; 'loraplex admin key list TENANT' lists them"
+    return exc.message
+
+
+def _db(args: argparse.Namespace, settings: TenancySettings, out: Any) -> None:
+    url = settings.resolved_database_url
+    if args.data_dir is not None or settings.database_url is None:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    before = migrate.current(url)
+    if args.db_command == "current":
+        newest = migrate.head()
+        state = (
+            "up to date" if before == newest else f"newest is {newest}; run 'loraplex db upgrade'"
+        )
+        print(f"{before or 'none (empty database)'} ({state}) {shown_url(url)}", file=out)
+        return
+    if args.db_command == "upgrade":
+        migrate.upgrade(url, args.revision)
+    else:
+        migrate.downgrade(url, args.revision)
+    after = migrate.current(url)
+    verb = "already at" if after == before else f"{args.db_command}d from {before or 'empty'} to"
+    print(f"loraplex: {shown_url(url)}: {verb} {after or 'base (no tables)'}", file=out)
+
+
+def _admin(args: argparse.Namespace, settings: TenancySettings, out: Any, err: Any) -> None:
+    url = settings.resolved_database_url
+    migrate.require_up_to_date(url)
+    db = Database(url)
+    try:
+        handler = {
+            ("tenant", "create"): _tenant_create,
+            ("tenant", "list"): _tenant_list,
+            ("key", "create"): _key_create,
+            ("key", "list"): _key_list,
+            ("key", "revoke"): _key_revoke,
+            ("token", "rotate"): _token_rotate,
+        }[(args.admin_on, _sub(args))]
+        handler(args, settings, db, out, err)
+    finally:
+        db.dispose()
+
+
+def _sub(args: argparse.Namespace) -> str:
+    return str(getattr(args, f"{args.admin_on}_command"))
+
+
+def _tenant_create(
+    args: argparse.Namespace, settings: TenancySettings, db: Database, out: Any, err: Any
+) -> None:
+    quotas = tenants.Quotas(
+        requests_per_minute=args.rpm,
+        tokens_per_minute=args.tpm,
+        max_concurrent_requests=args.max_concurrent,
+        max_adapters=args.max_adapters,
+    )
+    tenant = db.call(
+        lambda s: tenants.create_tenant(
+            s, CLI_ACTOR, args.name, display_name=args.display_name, quotas=quotas
+        )
+    )
+    print(f"created tenant {tenant.name} ({_quota_text(tenant)})", file=out)
+    print(f"loraplex: next: loraplex admin key create {tenant.name}", file=err)
+
+
+def _limit(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _quota_text(tenant: Any) -> str:
+    return (
+        f"rpm {_limit(tenant.requests_per_minute)}, tpm {_limit(tenant.tokens_per_minute)}, "
+        f"concurrent {_limit(tenant.max_concurrent_requests)}, "
+        f"adapters {_limit(tenant.max_adapters)}; - = unlimited"
+    )
+
+
+def _table(rows: Sequence[Sequence[str]], out: Any) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip(), file=out)
+
+
+def _day(value: dt.datetime | None) -> str:
+    return "-" if value is None else value.strftime("%Y-%m-%d %H:%M")
+
+
+def _tenant_list(
+    args: argparse.Namespace, settings: TenancySettings, db: Database, out: Any, err: Any
+) -> None:
+    def fetch(session: Session) -> list[list[str]]:
+        rows, _ = tenants.list_tenants(session, limit=10**6)
+        return [
+            [
+                t.name,
+                t.status,
+                _limit(t.requests_per_minute),
+                _limit(t.tokens_per_minute),
+                _limit(t.max_concurrent_requests),
+                _limit(t.max_adapters),
+                str(len(tenants.list_keys(session, t))),
+                _day(t.created_at),
+                t.display_name,
+            ]
+            for t in rows
+        ]
+
+    rows = db.call(fetch)
+    if not rows:
+        print("no tenants yet; create one with: loraplex admin tenant create NAME", file=err)
+        return
+    header = [
+        "NAME",
+        "STATUS",
+        "RPM",
+        "TPM",
+        "CONCURRENT",
+        "ADAPTERS",
+        "KEYS",
+        "CREATED",
+        "DISPLAY",
+    ]
+    _table([header, *rows], out)
+
+
+def _key_create(
+    args: argparse.Namespace, settings: TenancySettings, db: Database, out: Any, err: Any
+) -> None:
+    expires = utcnow() + dt.timedelta(days=args.expires_in_days) if args.expires_in_days else None
+
+    def create(session: Session) -> tuple[str, str, list[str]]:
+        tenant = tenants.require_tenant(session, args.tenant)
+        key, new = tenants.create_key(
+            session, CLI_ACTOR, tenant, name=args.name, scopes=args.scopes, expires_at=expires
+        )
+        return new.token, display_key(key.public_id, key.last4), list(key.scopes)
+
+    token, shown, scopes = db.call(create)
+    print(token, file=out, flush=True)
+    print(
+        f"loraplex: created key {shown} for tenant {args.tenant} (scopes {', '.join(scopes)}; "
+        f"expires {_day(expires) + ' UTC' if expires else 'never'}); the key above is shown only "
+        "this once, store it now",
+        file=err,
+    )
+
+
+def _key_list(
+    args: argparse.Namespace, settings: TenancySettings, db: Database, out: Any, err: Any
+) -> None:
+    now = utcnow()
+
+    def fetch(session: Session) -> list[list[str]]:
+        tenant = tenants.require_tenant(session, args.tenant)
+        rows = []
+        for k in tenants.list_keys(session, tenant):
+            status = "revoked" if k.revoked_at else "active" if k.usable_at(now) else "expired"
+            rows.append(
+                [
+                    display_key(k.public_id, k.last4),
+                    k.public_id,
+                    status,
+                    ",".join(k.scopes),
+                    _day(k.created_at),
+                    _day(k.last_used_at),
+                    _day(k.expires_at),
+                    k.name,
+                ]
+            )
+        return rows
+
+    rows = db.call(fetch)
+    if not rows:
+        print(
+            f"tenant {args.tenant} has no keys; loraplex admin key create {args.tenant}", file=err
+        )
+        return
+    header = ["KEY", "PUBLIC_ID", "STATUS", "SCOPES", "CREATED", "LAST_USED", "EXPIRES", "NAME"]
+    _table([header, *rows], out)
+
+
+def public_id_of(text: str) -> str:
+    """The public id in ``text``: the id alone, ``lpx_<id>…last4`` as listed, or a whole key."""
+    text = text.strip()
+    if text.startswith(PREFIX):
+        text = text[len(PREFIX) :]
+    for separator in ("…", "...", "_"):
+        text = text.split(separator, 1)[0]
+    return text
+
+
+def _key_revoke(
+    args: argparse.Namespace, settings: TenancySettings, db: Database, out: Any, err: Any
+) -> None:
+    public_id = public_id_of(args.public_id)
+
+    def revoke(session: Session) -> tuple[str, bool]:
+        tenant = tenants.require_tenant(session, args.tenant)
+        existing = TenantScope(session, tenant.id).key(public_id)
+        already = existing is not None and existing.revoked_at is not None
+        key = tenants.revoke_key(session, CLI_ACTOR, tenant, public_id)
+        return display_key(key.public_id, key.last4), already
+
+    shown, already = db.call(revoke)
+    state = "was already revoked" if already else "revoked; it is refused from the next request on"
+    print(f"key {shown} of tenant {args.tenant} {state}", file=out)
+
+
+def _token_rotate(
+    args: argparse.Namespace, settings: TenancySettings, db: Database, out: Any, err: Any
+) -> None:
+    token = db.call(lambda s: admin_token.rotate(s, settings, CLI_ACTOR))
+    print(token, file=out, flush=True)
+    print(
+        "loraplex: the new admin token is above (shown only this once; only its SHA-256 is "
+        "stored); the old one is refused from the next request on, also by a running server",
+        file=err,
+    )

@@ -1,0 +1,215 @@
+"""The registry's HTTP API: a tenant's own adapters under ``/v1/adapters``, and any tenant's
+under ``/admin/api/tenants/{tenant}/adapters`` for the operator.
+
+Reads take any valid tenant key; uploads and deletes need the ``adapters:write`` scope. The
+tenant is always the key's: fields such as ``tenant`` or ``owner`` in an upload are ignored.
+Responses never hold storage paths.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel
+
+from loraplex.platform import tenants
+from loraplex.platform.auth import (
+    SCOPE_ADAPTERS_WRITE,
+    SCOPE_ADMIN,
+    Caller,
+    get_caller,
+    require_scope,
+)
+from loraplex.platform.openai.errors import PERMISSION, APIError
+from loraplex.platform.registry.records import AdapterView, VersionView
+from loraplex.platform.registry.service import Registry, parse_tenant_id
+from loraplex.platform.registry.upload import check_content_length, receive_upload
+
+router = APIRouter()
+
+any_caller = Depends(get_caller)
+adapter_writer = Depends(require_scope(SCOPE_ADAPTERS_WRITE))
+operator = Depends(require_scope(SCOPE_ADMIN))
+
+
+class AdapterVersionCard(BaseModel):
+    object: Literal["adapter.version"] = "adapter.version"
+    id: str  # "name@N": what the ``model`` field takes to use exactly this version
+    number: int
+    status: str  # validating | ready
+    rank: int
+    alpha: float
+    target_modules: list[str]
+    size_bytes: int
+    content_sha256: str  # the engine's key; equal for equal adapters
+    created: int
+
+
+class AdapterCard(BaseModel):
+    object: Literal["adapter"] = "adapter"
+    id: str  # the name: the ``model`` field's value for the newest ready version
+    owned_by: str  # the tenant
+    parent: str  # the base model
+    description: str
+    created: int
+    latest_version: int | None  # the newest ready version's number
+    versions: list[AdapterVersionCard]
+
+
+class AdapterList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[AdapterCard]
+
+
+class AdapterDeleted(BaseModel):
+    id: str
+    object: Literal["adapter", "adapter.version"]
+    deleted: bool = True
+
+
+def _ts(when: dt.datetime) -> int:
+    return int(when.timestamp())
+
+
+def _version_card(name: str, v: VersionView) -> AdapterVersionCard:
+    return AdapterVersionCard(
+        id=f"{name}@{v.number}",
+        number=v.number,
+        status=v.status,
+        rank=v.rank,
+        alpha=v.alpha,
+        target_modules=list(v.target_modules),
+        size_bytes=v.size_bytes,
+        content_sha256=v.content_sha256,
+        created=_ts(v.created_at),
+    )
+
+
+def _card(view: AdapterView, base: str) -> AdapterCard:
+    latest = view.latest_ready
+    return AdapterCard(
+        id=view.name,
+        owned_by=view.tenant,
+        parent=base,
+        description=view.description,
+        created=_ts(view.created_at),
+        latest_version=latest.number if latest is not None else None,
+        versions=[_version_card(view.name, v) for v in view.versions],
+    )
+
+
+def _registry(request: Request) -> Registry:
+    registry: Registry = request.app.state.registry
+    return registry
+
+
+def _own_tenant(caller: Caller) -> int:
+    tenant_id = parse_tenant_id(caller.tenant_id)
+    if tenant_id is None:
+        raise APIError(
+            403,
+            "Adapters belong to tenants: call this with a tenant's API key. The operator "
+            "manages a tenant's adapters under /admin/api/tenants/{tenant}/adapters.",
+            type=PERMISSION,
+            code="tenant_key_required",
+        )
+    return tenant_id
+
+
+async def _tenant_named(registry: Registry, name: str) -> int:
+    return await registry.db.run(lambda s: tenants.require_tenant(s, name).id)
+
+
+async def _upload(request: Request, registry: Registry, tenant_id: int, actor: str) -> AdapterCard:
+    limit = registry.settings.max_adapter_bytes
+    check_content_length(request.headers, limit)
+    work_dir = registry.storage.new_upload_dir()
+    try:
+        received = await receive_upload(
+            request.stream(), request.headers.get("content-type"), work_dir / "received", limit
+        )
+        view = await registry.upload(tenant_id, actor, received, work_dir)
+    finally:
+        registry.storage.discard(work_dir)
+    return _card(view, registry.resolver.base_name)
+
+
+async def _delete(registry: Registry, tenant_id: int, actor: str, ref: str) -> AdapterDeleted:
+    deleted = await registry.delete(tenant_id, actor, ref)
+    kind: Literal["adapter", "adapter.version"] = (
+        "adapter" if deleted.version is None else "adapter.version"
+    )
+    return AdapterDeleted(id=str(deleted), object=kind)
+
+
+# ---- a tenant's own adapters -------------------------------------------------------------------
+
+
+@router.post("/v1/adapters", response_model=AdapterCard, status_code=201)
+async def upload_adapter(request: Request, caller: Caller = adapter_writer) -> AdapterCard:
+    """Multipart: ``name``, optional ``description``, and the adapter as
+    ``adapter_config.json`` + ``adapter_model.safetensors`` or one .zip / .tar.gz / .tar."""
+    tenant_id = _own_tenant(caller)
+    return await _upload(request, _registry(request), tenant_id, caller.id)
+
+
+@router.get("/v1/adapters", response_model=AdapterList)
+async def list_adapters(request: Request, caller: Caller = any_caller) -> AdapterList:
+    registry = _registry(request)
+    views = await registry.list_adapters(_own_tenant(caller))
+    return AdapterList(data=[_card(v, registry.resolver.base_name) for v in views])
+
+
+@router.get("/v1/adapters/{ref}", response_model=AdapterCard)
+async def get_adapter(ref: str, request: Request, caller: Caller = any_caller) -> AdapterCard:
+    """``name`` (every version) or ``name@N`` (that version)."""
+    registry = _registry(request)
+    view = await registry.get_adapter(_own_tenant(caller), ref)
+    return _card(view, registry.resolver.base_name)
+
+
+@router.delete("/v1/adapters/{ref}", response_model=AdapterDeleted)
+async def delete_adapter(
+    ref: str, request: Request, caller: Caller = adapter_writer
+) -> AdapterDeleted:
+    """``name`` deletes every version; ``name@N`` one version (the last one: the adapter)."""
+    return await _delete(_registry(request), _own_tenant(caller), caller.id, ref)
+
+
+# ---- the operator, for any tenant --------------------------------------------------------------
+
+
+@router.post("/admin/api/tenants/{tenant}/adapters", response_model=AdapterCard, status_code=201)
+async def admin_upload_adapter(
+    tenant: str, request: Request, caller: Caller = operator
+) -> AdapterCard:
+    registry = _registry(request)
+    return await _upload(request, registry, await _tenant_named(registry, tenant), caller.id)
+
+
+@router.get("/admin/api/tenants/{tenant}/adapters", response_model=AdapterList)
+async def admin_list_adapters(
+    tenant: str, request: Request, caller: Caller = operator
+) -> AdapterList:
+    registry = _registry(request)
+    views = await registry.list_adapters(await _tenant_named(registry, tenant))
+    return AdapterList(data=[_card(v, registry.resolver.base_name) for v in views])
+
+
+@router.get("/admin/api/tenants/{tenant}/adapters/{ref}", response_model=AdapterCard)
+async def admin_get_adapter(
+    tenant: str, ref: str, request: Request, caller: Caller = operator
+) -> AdapterCard:
+    registry = _registry(request)
+    view = await registry.get_adapter(await _tenant_named(registry, tenant), ref)
+    return _card(view, registry.resolver.base_name)
+
+
+@router.delete("/admin/api/tenants/{tenant}/adapters/{ref}", response_model=AdapterDeleted)
+async def admin_delete_adapter(
+    tenant: str, ref: str, request: Request, caller: Caller = operator
+) -> AdapterDeleted:
+    registry = _registry(request)
+    return await _delete(registry, await _tenant_named(registry, tenant), caller.id, ref)

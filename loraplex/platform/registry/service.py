@@ -1,0 +1,531 @@
+"""The adapter registry: tenants' adapters and their immutable numbered versions.
+
+Upload, step by step (every failure leaves no file and no row behind)::
+
+    stream the body into tmp/upload-<id>/         413 past max_adapter_bytes, 400 for pickles
+    validate (worker thread, as the engine will)  400 / 413 with the validator's code
+    ── registry lock ──
+    row: Adapter (created if new; per-tenant limit) + AdapterVersion N, status "validating"
+    files: rename into adapters/<content hash>/   (kept if that content is already stored)
+    ── end lock ──
+    engine: add_lora once per content hash        the version is "ready" only after this
+    row: status "ready" + audit "adapter.upload"
+
+On a failure after the row exists, the row goes (the adapter too when the upload created it,
+and ``next_version`` is given back) and the files go unless another version names them.
+
+The registry is the source of truth: versions are loaded into the engine lazily, at their first
+use after a start (``ensure_loaded``: concurrent first uses load once). The engine knows an
+adapter only by its content hash, so equal uploads by two tenants share one engine copy while
+staying two names. Tenant-owned rows are only read through ``TenantScope``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import anyio.to_thread
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, selectinload
+
+from loraplex.engine.client import EngineClient, EngineDeadError
+from loraplex.platform import audit
+from loraplex.platform.db.models import Adapter, AdapterVersion, Tenant, utcnow
+from loraplex.platform.db.scope import TenantScope
+from loraplex.platform.openai.errors import SERVER_ERROR, APIError
+from loraplex.platform.registry.names import AdapterRef, check_adapter_name, parse_ref
+from loraplex.platform.registry.records import (
+    AdapterView,
+    ResolvedVersion,
+    adapter_not_found,
+    adapter_view,
+)
+from loraplex.platform.registry.storage import AdapterStorage
+from loraplex.platform.registry.upload import ReceivedUpload
+from loraplex.platform.registry.validate import (
+    ValidatedAdapter,
+    adapter_error,
+    as_adapter_error,
+    base_model_info,
+    validate_upload,
+)
+
+if TYPE_CHECKING:
+    from loraplex.lora.adapter import BaseModelInfo
+    from loraplex.platform.models import ModelResolver
+    from loraplex.platform.tenancy import Platform
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+DEFAULT_MAX_LORA_RANK = 64  # LoRAConfig's default, when the engine does not say its own
+STALE_UPLOAD_S = 600.0  # a "validating" row or a tmp/ entry this old was left by a crash
+MAX_DESCRIPTION = 2000
+
+
+class Registry:
+    def __init__(self, platform: Platform, client: EngineClient, resolver: ModelResolver) -> None:
+        self.db = platform.db
+        self.settings = platform.settings
+        self.storage = AdapterStorage(platform.data_dir)
+        self.client = client
+        self.resolver = resolver  # the base model's name; the operator's own adapters
+        self._lock = asyncio.Lock()  # version rows and stored files change together under it
+        self._loaded: set[str] = set()  # content hashes this registry loaded into the engine
+        self._loading: dict[str, asyncio.Lock] = {}
+        self._base: BaseModelInfo | None = None
+
+    async def _db(self, fn: Callable[[Session], T]) -> T:
+        return await self.db.run(fn)
+
+    @property
+    def max_lora_rank(self) -> int:
+        rank = getattr(self.client.info, "max_lora_rank", None)
+        return int(rank) if isinstance(rank, int) else DEFAULT_MAX_LORA_RANK
+
+    def tenant_limit(self, tenant: Tenant) -> int:
+        return (
+            tenant.max_adapters
+            if tenant.max_adapters is not None
+            else self.settings.max_adapters_per_tenant
+        )
+
+    # ---- start-up ----------------------------------------------------------------------------
+
+    def recover(self) -> None:
+        """Undo what a crash interrupted: stale uploads' rows and temp files, unnamed files."""
+        cutoff = utcnow() - dt.timedelta(seconds=STALE_UPLOAD_S)
+
+        def clean(session: Session) -> list[str]:
+            session.execute(
+                delete(AdapterVersion).where(
+                    AdapterVersion.status != "ready", AdapterVersion.created_at < cutoff
+                )
+            )
+            empty = select(Adapter.id).where(~Adapter.versions.any())
+            session.execute(delete(Adapter).where(Adapter.id.in_(empty)))
+            return list(session.scalars(select(AdapterVersion.content_sha256).distinct()))
+
+        referenced = self.db.call(clean)
+        self.storage.clean_tmp(STALE_UPLOAD_S)
+        removed = self.storage.collect(referenced)
+        if removed:
+            logger.info("registry: removed %d adapter directories no version names", len(removed))
+
+    async def collect_garbage(self) -> list[str]:
+        """Remove stored files (and engine copies) no version names any more; call after rows
+        went by other means (a deleted tenant). Returns the content hashes removed."""
+        async with self._lock:
+            referenced = set(await self._db(_all_hashes))
+            stale = [h for h in self.storage.stored_hashes() if h not in referenced]
+            stale += [h for h in self._loaded if h not in referenced and h not in stale]
+            await self._drop(stale)
+        return stale
+
+    # ---- reads -------------------------------------------------------------------------------
+
+    async def list_adapters(self, tenant_id: int) -> list[AdapterView]:
+        def read(session: Session) -> list[AdapterView]:
+            scope = TenantScope(session, tenant_id)
+            name = scope.tenant().name
+            query = scope.select(Adapter).options(selectinload(Adapter.versions))
+            rows = session.scalars(query.order_by(Adapter.name))
+            return [adapter_view(a, name) for a in rows]
+
+        return await self._db(read)
+
+    async def get_adapter(self, tenant_id: int, ref_text: str) -> AdapterView:
+        """The adapter of ``name`` (all versions) or of ``name@N`` (that version only)."""
+        ref = parse_ref(ref_text)
+
+        def read(session: Session) -> AdapterView | None:
+            if ref is None:
+                return None
+            scope = TenantScope(session, tenant_id)
+            adapter = scope.adapter(ref.name)
+            return None if adapter is None else adapter_view(adapter, scope.tenant().name)
+
+        view = await self._db(read)
+        if view is None or ref is None:
+            raise adapter_not_found(ref_text)
+        if ref.version is not None:
+            versions = tuple(v for v in view.versions if v.number == ref.version)
+            if not versions:
+                raise adapter_not_found(ref_text)
+            view = AdapterView(view.name, view.tenant, view.description, view.created_at, versions)
+        return view
+
+    async def find_ready(self, tenant_id: int, ref: AdapterRef) -> ResolvedVersion | None:
+        """The ready version ``ref`` names in this tenant (``name``: the newest ready one)."""
+
+        def read(session: Session) -> ResolvedVersion | None:
+            scope = TenantScope(session, tenant_id)
+            query = scope.select_versions().where(
+                Adapter.name == ref.name, AdapterVersion.status == "ready"
+            )
+            if ref.version is not None:
+                query = query.where(AdapterVersion.number == ref.version)
+            v = session.scalars(query.order_by(AdapterVersion.number.desc()).limit(1)).first()
+            if v is None:
+                return None
+            return ResolvedVersion(
+                ref.name, v.id, v.number, v.content_sha256, v.storage_path, scope.tenant().name
+            )
+
+        return await self._db(read)
+
+    # ---- the engine --------------------------------------------------------------------------
+
+    def _engine_has(self, key: str) -> bool:
+        return key in self._loaded or key in self.resolver.operator_keys()
+
+    async def ensure_loaded(self, key: str, storage_path: str, label: str) -> None:
+        """Load the stored adapter into the engine unless it is there; concurrent callers for
+        one key wait for a single ``add_lora``. Raises what ``add_lora`` raises (``AdapterError``,
+        ``EngineDeadError``)."""
+        if self._engine_has(key):
+            return
+        lock = self._loading.setdefault(key, asyncio.Lock())
+        try:
+            async with lock:
+                if self._engine_has(key):
+                    return
+                path = self.storage.path_of(storage_path)
+                info = await self.client.add_lora(label, str(path))
+                if info.key != key:
+                    # The registry and the engine hash adapters with the same function; a
+                    # mismatch means the files changed on disk or the versions differ.
+                    if not self._engine_has(info.key):
+                        await self.client.remove_lora(info.key)
+                    raise RuntimeError(
+                        f"the engine loaded {label} as {info.key[:12]}, but the registry "
+                        f"recorded {key[:12]}; the stored files at {path} changed"
+                    )
+                self._loaded.add(key)
+        finally:
+            if not lock.locked():
+                self._loading.pop(key, None)
+
+    async def load_for_request(self, version: ResolvedVersion) -> None:
+        """``ensure_loaded`` for a request: failures are the server's, answered 5xx."""
+        try:
+            await self.ensure_loaded(
+                version.content_sha256,
+                version.storage_path,
+                f"{version.tenant}/{version.model_id}",
+            )
+        except EngineDeadError:
+            raise
+        except Exception as exc:
+            logger.exception("registry: loading %s/%s failed", version.tenant, version.model_id)
+            raise APIError(
+                500,
+                f"The adapter {version.model_id} could not be loaded into the engine "
+                f"({type(exc).__name__}); the operator can find the cause in the server log.",
+                type=SERVER_ERROR,
+                code="adapter_load_failed",
+            ) from None
+
+    async def _unload(self, key: str) -> bool:
+        """Remove ``key`` from the engine unless the operator loaded it too; False when the
+        engine still needs it (requests running on it)."""
+        if key not in self._loaded or key in self.resolver.operator_keys():
+            self._loaded.discard(key)
+            return True  # not loaded by this registry, or the operator's too: leave it
+        self._loaded.discard(key)
+        try:
+            await self.client.remove_lora(key)
+        except ValueError as exc:  # still used by running requests: it stays, files too
+            logger.warning("registry: adapter %s stays in the engine: %s", key[:12], exc)
+            return False
+        except EngineDeadError:
+            pass  # the engine forgets everything when it dies
+        return True
+
+    async def _drop(self, hashes: list[str]) -> None:
+        """Unload and delete content no version names (call with the lock held)."""
+        for key in hashes:
+            if await self._unload(key):
+                await anyio.to_thread.run_sync(self.storage.remove, key)
+
+    # ---- upload ------------------------------------------------------------------------------
+
+    async def upload(
+        self, tenant_id: int, actor: str, received: ReceivedUpload, work_dir: Path
+    ) -> AdapterView:
+        """Register the upload in ``work_dir`` (received by ``receive_upload``) as the next
+        version of its name. The caller removes ``work_dir`` afterwards, whatever happens."""
+        name = check_adapter_name(received.fields.get("name", ""), self.resolver.base_name)
+        description = received.fields.get("description")
+        if description is not None and len(description) > MAX_DESCRIPTION:
+            raise APIError(
+                400,
+                f"description is longer than {MAX_DESCRIPTION} characters; shorten it.",
+                param="description",
+                code="description_too_long",
+            )
+        if not received.files:
+            raise APIError(
+                400,
+                "The upload holds no adapter file; send adapter_config.json and "
+                "adapter_model.safetensors (or one .zip / .tar.gz / .tar) as file parts.",
+                param="file",
+                code="missing_file",
+            )
+        await self._db(lambda s: self._check_limit(s, tenant_id, name))  # fail before the work
+        try:
+            checked = await anyio.to_thread.run_sync(
+                lambda: validate_upload(
+                    dict(received.files),  # a copy: the thread owns it
+                    work_dir,
+                    self._base_sync(),
+                    max_rank=self.max_lora_rank,
+                    max_bytes=self.settings.max_adapter_bytes,
+                )
+            )
+        except ValueError as exc:
+            refused = as_adapter_error(exc)
+            if refused is None:
+                raise
+            raise adapter_error(refused) from None
+        async with self._lock:
+            added = await self._db(
+                lambda s: self._add_version(s, tenant_id, name, description, checked)
+            )
+            try:
+                await anyio.to_thread.run_sync(
+                    self.storage.store, checked.adapter_dir, checked.content_hash, work_dir
+                )
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self._undo(added)
+                raise
+        try:
+            await self.ensure_loaded(
+                checked.content_hash, added.storage_path, f"{added.tenant}/{name}@{added.number}"
+            )
+            view = await self._db(lambda s: self._mark_ready(s, tenant_id, actor, added))
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                async with self._lock:
+                    await self._undo(added)
+            refused = as_adapter_error(exc) if isinstance(exc, ValueError) else None
+            if refused is not None:  # the engine refused what the registry accepted
+                raise adapter_error(refused) from None
+            raise
+        return view
+
+    def _base_sync(self) -> BaseModelInfo:
+        """The base model's geometry (read once, in a worker thread, from its config.json)."""
+        if self._base is None:
+            try:
+                self._base = base_model_info(self.client.info.model_dir)
+            except (OSError, ValueError) as exc:
+                logger.error("registry: cannot read the base model's config: %s", exc)
+                raise APIError(
+                    503,
+                    "The server cannot check adapters now: it cannot read the base model's "
+                    "config.json; tell the operator.",
+                    type=SERVER_ERROR,
+                    code="base_model_unreadable",
+                ) from None
+        return self._base
+
+    def _check_limit(self, session: Session, tenant_id: int, name: str) -> Adapter | None:
+        """The existing adapter ``name``, or None when a new one may be created (else 409)."""
+        scope = TenantScope(session, tenant_id)
+        adapter = scope.adapter(name)
+        if adapter is not None:
+            return adapter
+        limit = self.tenant_limit(scope.tenant())
+        count = session.scalar(select(func.count()).select_from(scope.select(Adapter).subquery()))
+        if (count or 0) >= limit:
+            raise APIError(
+                409,
+                f"This tenant already has {count} adapters, its limit ({limit}); delete one "
+                "(DELETE /v1/adapters/{name}) or upload a new version of an existing name, or "
+                "ask the operator to raise the limit.",
+                param="name",
+                code="adapter_limit_reached",
+            )
+        return None
+
+    def _add_version(
+        self,
+        session: Session,
+        tenant_id: int,
+        name: str,
+        description: str | None,
+        checked: ValidatedAdapter,
+    ) -> _Added:
+        scope = TenantScope(session, tenant_id)
+        adapter = self._check_limit(session, tenant_id, name)
+        created = adapter is None
+        if adapter is None:
+            adapter = scope.add(Adapter(name=name, description=description or "", next_version=1))
+            try:
+                session.flush()
+            except IntegrityError:  # created meanwhile by another server sharing the database
+                raise APIError(
+                    409,
+                    f"The adapter {name!r} was created by another upload at the same moment; "
+                    "send yours again to make it the next version.",
+                    param="name",
+                    code="adapter_conflict",
+                ) from None
+        elif description is not None:
+            adapter.description = description
+        # One UPDATE allocates the number: concurrent uploads (any server) never share one.
+        session.execute(
+            update(Adapter)
+            .where(Adapter.id == adapter.id)
+            .values(next_version=Adapter.next_version + 1)
+        )
+        session.refresh(adapter, ["next_version"])
+        number = adapter.next_version - 1
+        version = AdapterVersion(
+            adapter_id=adapter.id,
+            number=number,
+            content_sha256=checked.content_hash,
+            rank=checked.rank,
+            alpha=checked.alpha,
+            target_modules=list(checked.target_modules),
+            size_bytes=checked.size_bytes,
+            storage_path=self.storage.relative_path(checked.content_hash),
+            status="validating",
+        )
+        session.add(version)
+        session.flush()
+        return _Added(
+            adapter.id, version.id, number, created, version.storage_path, scope.tenant().name
+        )
+
+    def _mark_ready(
+        self, session: Session, tenant_id: int, actor: str, added: _Added
+    ) -> AdapterView:
+        scope = TenantScope(session, tenant_id)
+        version = session.scalars(
+            scope.select_versions().where(AdapterVersion.id == added.version_id)
+        ).first()
+        if version is None:
+            raise APIError(
+                409,
+                "The adapter was deleted while this version was being loaded; upload it again.",
+                param="name",
+                code="adapter_conflict",
+            )
+        version.status = "ready"
+        session.flush()
+        adapter = version.adapter
+        audit.record(
+            session, actor, "adapter.upload", "adapter_version", f"{adapter.name}@{version.number}",
+            tenant_name=added.tenant,
+            after={"adapter": adapter.name, "description": adapter.description,
+                   **audit.snapshot(version)},
+        )  # fmt: skip
+        return adapter_view(adapter, added.tenant)
+
+    async def _undo(self, added: _Added) -> None:
+        """Remove a failed upload's row (and its adapter when the upload created it); delete
+        its files unless another version names them. Call with the lock held."""
+
+        def undo(session: Session) -> bool:
+            version = session.get(AdapterVersion, added.version_id)
+            content = version.content_sha256 if version is not None else None
+            if version is not None:
+                session.delete(version)
+                session.flush()
+            adapter = session.get(Adapter, added.adapter_id)
+            if adapter is not None:
+                if added.created and not adapter.versions:
+                    session.delete(adapter)
+                else:  # give the number back when nothing was numbered after it
+                    session.execute(
+                        update(Adapter)
+                        .where(Adapter.id == adapter.id, Adapter.next_version == added.number + 1)
+                        .values(next_version=added.number)
+                    )
+            return content is not None and not _is_referenced(session, content)
+
+        content_hash = added.storage_path.rsplit("/", 1)[-1]
+        if await self._db(undo):
+            await self._drop([content_hash])
+
+    # ---- delete ------------------------------------------------------------------------------
+
+    async def delete(self, tenant_id: int, actor: str, ref_text: str) -> AdapterRef:
+        """Delete the adapter ``name`` (every version) or one version ``name@N``. Deleting the
+        last version deletes the adapter (its name, and its numbering, start afresh)."""
+        ref = parse_ref(ref_text)
+        if ref is None:
+            raise adapter_not_found(ref_text)
+
+        def remove(session: Session) -> list[str] | None:
+            scope = TenantScope(session, tenant_id)
+            adapter = scope.adapter(ref.name)
+            if adapter is None:
+                return None
+            tenant = scope.tenant().name
+            doomed = [v for v in adapter.versions if ref.version in (None, v.number)]
+            if ref.version is not None and not doomed:
+                return None
+            hashes = sorted({v.content_sha256 for v in doomed})
+            if ref.version is None or len(doomed) == len(adapter.versions):
+                before = {
+                    **audit.snapshot(adapter),
+                    "versions": [v.number for v in adapter.versions],
+                }
+                session.delete(adapter)
+                action, kind, object_id = "adapter.delete", "adapter", adapter.name
+            else:
+                before = {"adapter": adapter.name, **audit.snapshot(doomed[0])}
+                session.delete(doomed[0])
+                action, kind, object_id = "adapter_version.delete", "adapter_version", str(ref)
+            session.flush()
+            audit.record(session, actor, action, kind, object_id, tenant_name=tenant, before=before)
+            return [h for h in hashes if not _is_referenced(session, h)]
+
+        async with self._lock:
+            unreferenced = await self._db(remove)
+            if unreferenced is None:
+                raise adapter_not_found(ref_text)
+            await self._drop(unreferenced)
+        return ref
+
+
+@dataclass(frozen=True)
+class _Added:
+    """The rows an upload in progress added."""
+
+    adapter_id: int
+    version_id: int
+    number: int
+    created: bool  # the upload created the adapter
+    storage_path: str
+    tenant: str
+
+
+def _is_referenced(session: Session, content_hash: str) -> bool:
+    """Whether any version of any tenant names this content (a global, non-tenant question)."""
+    query = select(AdapterVersion.id).where(AdapterVersion.content_sha256 == content_hash)
+    return session.scalars(query.limit(1)).first() is not None
+
+
+def _all_hashes(session: Session) -> list[str]:
+    return list(session.scalars(select(AdapterVersion.content_sha256).distinct()))
+
+
+def parse_tenant_id(tenant_id: Any) -> int | None:
+    """The integer id in ``Caller.tenant_id`` (a string); None when it is not one."""
+    try:
+        return int(tenant_id)
+    except (TypeError, ValueError):
+        return None
