@@ -330,9 +330,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("LORAPLEX_DEBUG"):
             raise
         from loraplex.engine.default_model import ModelResolutionError
+        from loraplex.platform.db.migrate import MigrationError
+        from loraplex.platform.openai.errors import APIError
 
         known = isinstance(
-            e, ModelResolutionError | ValueError | OSError | ImportError | MemoryError
+            e,
+            ModelResolutionError
+            | MigrationError
+            | APIError
+            | ValueError
+            | OSError
+            | ImportError
+            | MemoryError,
         )
         prefix = "" if known else f"{type(e).__name__}: "
         print(f"{PROG}: error: {prefix}{_one_line(e)}", file=sys.stderr)

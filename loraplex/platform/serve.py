@@ -62,7 +62,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     opt("--host", "127.0.0.1", help="address to listen on")
     opt("--port", 8000, int)
     opt("--served-model-name", None, help="the base model's name in the API")
-    opt("--api-key", None, help="operator key clients send as 'Authorization: Bearer KEY'")
+    opt(
+        "--api-key",
+        None,
+        help="the operator's key ('Authorization: Bearer KEY'); with the platform on, the same "
+        "as LORAPLEX_ADMIN_TOKEN (prefer the environment: flags show in `ps`)",
+    )
     opt("--metrics-token", None, help="token that may also read /metrics (Prometheus scrapers)")
     p.add_argument(
         "--lora-modules",
@@ -89,6 +94,33 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=_env_default("--enable-prefix-caching", True, _bool),
+    )
+    opt("--data-dir", None, help="database and adapter files (default ~/.local/share/loraplex)")
+    opt("--database-url", None, help="any SQLAlchemy URL (default: SQLite in --data-dir)")
+    p.add_argument(
+        "--migrate",
+        action=argparse.BooleanOptionalAction,
+        default=_env_default("--migrate", True, _bool),
+        help="apply database migrations at start (--no-migrate: run `loraplex db upgrade` "
+        "yourself)",
+    )
+    p.add_argument(
+        "--share-prefix-cache",
+        action="store_true",
+        default=_env_default("--share-prefix-cache", False, _bool),
+        help="let tenants share the base model's prefix-cache blocks (default: salted per tenant)",
+    )
+    p.add_argument(
+        "--demo",
+        action="store_true",
+        default=_env_default("--demo", False, _bool),
+        help="create a demo tenant with a key and two small adapters, and print how to call them",
+    )
+    p.add_argument(
+        "--no-platform",
+        action="store_true",
+        default=_env_default("--no-platform", False, _bool),
+        help="serve the OpenAI API alone: no database, tenants or admin UI (one --api-key)",
     )
     opt("--shutdown-timeout", 10.0, float, help="seconds to finish in-flight requests on SIGTERM")
     opt("--log-level", "info", choices=("debug", "info", "warning", "error"))
@@ -127,6 +159,34 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     model_dir = resolve_model_dir(args.model)
     return asyncio.run(_serve(args, config, model_dir))
+
+
+async def _open_platform(args: argparse.Namespace, app: Any) -> Any:
+    """Open the database (migrating it unless --no-migrate), make sure an admin token exists
+    (printing a new one once), and install tenants, keys, the registry, quotas, usage, the
+    admin API and the admin UI on ``app``."""
+    import anyio.to_thread
+
+    from loraplex.platform import admin_token
+    from loraplex.platform.db import migrate
+    from loraplex.platform.tenancy import Platform, TenancySettings, install_tenancy
+
+    overrides: dict[str, Any] = {
+        "data_dir": args.data_dir,
+        "database_url": args.database_url,
+        "share_prefix_cache": args.share_prefix_cache or None,
+    }
+    if args.api_key is not None and not os.environ.get(ENV_PREFIX + "ADMIN_TOKEN"):
+        overrides["admin_token"] = args.api_key
+    settings = TenancySettings(**{k: v for k, v in overrides.items() if v is not None})
+    platform = Platform.open(settings)
+    await anyio.to_thread.run_sync(
+        lambda: migrate.prepare(platform.db.engine, run_migrations=args.migrate)
+    )
+    start = await anyio.to_thread.run_sync(admin_token.ensure, platform.db, platform.settings)
+    print(start.message(), file=sys.stderr, flush=True)
+    install_tenancy(app, platform)
+    return platform
 
 
 class _Server:
@@ -176,13 +236,26 @@ async def _serve(args: argparse.Namespace, config: Any, model_dir: str) -> int:
         for name, path in args.lora_modules:
             info = await client.add_lora(name, path, pinned=True)
             serving.resolver.add_adapter(info)
+        platform = None if args.no_platform else await _open_platform(args, app)
         names = [serving.resolver.base_name] + [name for name, _ in args.lora_modules]
+        base_url = f"http://{args.host}:{args.port}"
         print(
-            f"loraplex: serving {', '.join(names)} on http://{args.host}:{args.port}/v1 "
+            f"loraplex: serving {', '.join(names)} on {base_url}/v1 "
             f"(engine ready in {time.perf_counter() - start:.1f} s; model {model_dir})",
             file=sys.stderr,
             flush=True,
         )
+        if platform is not None:
+            print(
+                f"loraplex: admin UI on {base_url}/admin; database {platform.db.engine.url!r}",
+                file=sys.stderr,
+                flush=True,
+            )
+        if args.demo and platform is not None:
+            from loraplex.platform.demo import demo_message, setup_demo
+
+            demo = await setup_demo(app, platform)
+            print(demo_message(demo, base_url, serving.resolver.base_name), flush=True)
         server = _Server(
             uvicorn.Config(
                 app,

@@ -1,5 +1,6 @@
 """`loraplex serve` end to end: a real subprocess on a free port with a tiny model, driven by the
-official openai client; SIGTERM shuts it down cleanly (exit 0)."""
+official openai client; SIGTERM shuts it down cleanly (exit 0); with the platform on, everything
+(tenants, keys, adapters) survives a SIGKILL of the server."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import pytest
 from tests.conftest import make_tiny_model
 from tests.platform.conftest import add_chat_template
 
+ADMIN = "lpx-admin-serve-test-0123456789"
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -24,32 +27,64 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.slow
-def test_serve_subprocess_with_openai_client(tmp_path: Path) -> None:
-    from openai import OpenAI
+class Serve:
+    """``loraplex serve`` in a subprocess; ``start()`` waits for /health."""
 
-    model_dir = make_tiny_model(tmp_path / "tiny", "llama", seed=3)
-    add_chat_template(model_dir)
-    port = _free_port()
-    env = {**os.environ, "LORAPLEX_MAX_LORAS": "2", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "loraplex.cli", "serve", model_dir, "--port", str(port),
-         "--served-model-name", "tiny", "--api-key", "sk-test", "--max-model-len", "128"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        base = f"http://127.0.0.1:{port}"
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.port = _free_port()
+        self.args = args
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc: subprocess.Popen[str] | None = None
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Serve:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "loraplex.cli", "serve", *self.args, "--port", str(self.port)],
+            env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            if self.proc.poll() is not None:
+                pytest.fail(self.proc.stdout.read() if self.proc.stdout else "server exited")
             try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
+                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
+                    return self
             except httpx.HTTPError:
-                time.sleep(0.3)
-        else:
-            pytest.fail("server did not become healthy in 120 s")
-        client = OpenAI(base_url=f"{base}/v1", api_key="sk-test")
+                pass
+            time.sleep(0.3)
+        pytest.fail("server did not become healthy in 120 s")
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("serve") / "tiny", "llama", seed=3)
+    add_chat_template(model_dir)
+    return model_dir
+
+
+@pytest.mark.slow
+def test_serve_subprocess_with_openai_client(tiny_model: str, tmp_path: Path) -> None:
+    from openai import OpenAI
+
+    server = Serve(
+        [tiny_model, "--served-model-name", "tiny", "--api-key", ADMIN, "--max-model-len", "128",
+         "--data-dir", str(tmp_path / "data")],
+        env={"LORAPLEX_MAX_LORAS": "2"},
+    ).start()  # fmt: skip
+    try:
+        client = OpenAI(base_url=f"{server.base}/v1", api_key=ADMIN)
         assert [m.id for m in client.models.list().data] == ["tiny"]
         chat = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "t5 t6 t7"}], max_tokens=5, seed=1
@@ -57,12 +92,61 @@ def test_serve_subprocess_with_openai_client(tmp_path: Path) -> None:
         assert chat.choices[0].message.content
         assert chat.usage is not None and 1 <= chat.usage.completion_tokens <= 5
         assert chat.choices[0].finish_reason in ("stop", "length")
-        assert httpx.get(f"{base}/v1/models").status_code == 401
+        assert httpx.get(f"{server.base}/v1/models").status_code == 401
+        assert httpx.get(f"{server.base}/admin/login").status_code == 200
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        code = server.stop()
     assert code == 0
+
+
+@pytest.mark.slow
+def test_platform_state_survives_sigkill(tiny_model: str, tmp_path: Path) -> None:
+    """Tenants, keys and adapters made over HTTP are all there after the server is SIGKILLed
+    and started again: the same key works and the same adapter name gives the same text."""
+    from tests.lora.test_lora_equivalence import make_adapter
+
+    adapter = make_adapter(tiny_model, tmp_path / "adapter", 4, 8, ["q_proj", "v_proj"], seed=5)
+    args = [tiny_model, "--served-model-name", "tiny", "--max-model-len", "128",
+            "--data-dir", str(tmp_path / "data")]  # fmt: skip
+    env = {"LORAPLEX_ADMIN_TOKEN": ADMIN}
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    chat = {"model": "helper", "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "t7 t8 t9"}]}  # fmt: skip
+
+    server = Serve(args, env).start()
+    try:
+        r = httpx.post(f"{server.base}/admin/api/tenants", headers=admin,
+                       json={"name": "acme", "quotas": {"requests_per_minute": 100}})  # fmt: skip
+        assert r.status_code in (200, 201), r.text
+        r = httpx.post(f"{server.base}/admin/api/tenants/acme/keys", headers=admin, json={})
+        assert r.status_code in (200, 201), r.text
+        key = r.json()["key"]
+        tenant = {"Authorization": f"Bearer {key}"}
+        files = [
+            ("files", ("adapter_config.json", Path(adapter, "adapter_config.json").read_bytes())),
+            ("files", ("adapter_model.safetensors",
+                       Path(adapter, "adapter_model.safetensors").read_bytes())),
+        ]  # fmt: skip
+        r = httpx.post(f"{server.base}/v1/adapters", headers=tenant, data={"name": "helper"},
+                       files=files, timeout=60)  # fmt: skip
+        assert r.status_code in (200, 201), r.text
+        before = httpx.post(f"{server.base}/v1/chat/completions", headers=tenant, json=chat,
+                            timeout=60)  # fmt: skip
+        assert before.status_code == 200, before.text
+    finally:
+        assert server.stop(signal.SIGKILL) == -signal.SIGKILL
+
+    server = Serve(args, env).start()
+    try:
+        r = httpx.get(f"{server.base}/admin/api/tenants/acme", headers=admin)
+        assert r.status_code == 200 and r.json()["quotas"]["requests_per_minute"] == 100, r.text
+        models = httpx.get(f"{server.base}/v1/models", headers=tenant).json()
+        assert {"tiny", "helper", "helper@1"} <= {m["id"] for m in models["data"]}
+        after = httpx.post(f"{server.base}/v1/chat/completions", headers=tenant, json=chat,
+                           timeout=60)  # fmt: skip
+        assert after.status_code == 200, after.text
+        text = after.json()["choices"][0]["message"]["content"]
+        assert text == before.json()["choices"][0]["message"]["content"]
+        assert after.json()["model"] == before.json()["model"] == "helper@1"
+    finally:
+        assert server.stop() == 0
