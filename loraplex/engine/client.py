@@ -134,6 +134,11 @@ class EngineClient(ABC):
     @abstractmethod
     def healthy(self) -> bool: ...
 
+    @property
+    def unhealthy_reason(self) -> str | None:
+        """Why the engine is not serving (for ``/health``); None while it is healthy."""
+        return None if self.healthy else "the engine is not running"
+
 
 def validate_prompt(info: EngineInfo, token_ids: list[int]) -> None:
     """Raise ValueError naming the field for a prompt the engine cannot serve.

@@ -143,6 +143,14 @@ class ProcEngineClient(StreamingClient):
         return self._healthy
 
     @property
+    def unhealthy_reason(self) -> str | None:
+        if self._healthy:
+            return None
+        if self._shutdown is not None:
+            return "the engine is shut down"
+        return self._down_reason
+
+    @property
     def process(self) -> BaseProcess | None:
         """The current (or last) engine process."""
         return self._proc
@@ -251,6 +259,11 @@ class ProcEngineClient(StreamingClient):
             return
         died_at = time.monotonic()
         self._healthy = False
+        self._down_reason = (
+            f"the engine process (pid {self.pid}) died at "
+            f"{time.strftime('%H:%M:%S')}; "
+            + ("restarting it" if self._shutdown is None else "shutting down")
+        )
         self._channel = None
         logger.error(
             "the engine process (pid %s) died; failing %d in-flight request(s)%s",
@@ -275,12 +288,17 @@ class ProcEngineClient(StreamingClient):
                 old.kill()
                 await asyncio.to_thread(old.join, self.join_timeout)
             logger.error("engine process %s exited with code %s", old.pid, old.exitcode)
+            self._down_reason = (
+                f"the engine process (pid {old.pid}) died with exit code {old.exitcode}; "
+                "restarting it"
+            )
         delay = 0.5
         while self._shutdown is None:
             try:
                 await self._spawn()
             except EngineStartupError as exc:
                 logger.error("engine restart failed (%s); retrying in %.1f s", exc, delay)
+                self._down_reason = f"engine restart failed ({exc}); retrying"
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _MAX_RESTART_DELAY_S)
                 continue

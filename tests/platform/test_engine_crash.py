@@ -174,6 +174,7 @@ def test_kill_9_fails_inflight_requests_then_serves_again(
     health, refused = down
     assert health.status_code == 503
     assert health.json()["status"] == "unhealthy" and health.json()["engine"]["healthy"] is False
+    assert "died" in health.json()["engine"]["reason"], health.json()
     assert refused.status_code == 503, refused.text
     assert refused.json()["error"]["code"] == "engine_unavailable"
 

@@ -168,6 +168,8 @@ async def health(request: Request) -> Health | Response:
             engine.update(healthy=False, error=f"{type(exc).__name__}: {exc}"[:200])
         else:
             engine.update({k: stats[k] for k in _HEALTH_STATS if k in stats})
+    if not client.healthy:
+        engine["reason"] = client.unhealthy_reason
     body = Health(status="ok" if healthy else "unhealthy", engine=engine)
     if healthy:
         return body
