@@ -20,7 +20,7 @@ from loraplex.webui import WebUI, WebUISettings, install_webui
 from tests.platform.fakes import FakeEngineClient
 from tests.platform.tenancy_env import ADMIN_TOKEN, platform_for
 
-__all__ = ["ADMIN_TOKEN", "WebEnv", "csrf_of", "sign_in"]
+__all__ = ["ADMIN_TOKEN", "WebEnv", "csrf_of", "post_form", "sign_in"]
 
 _CSRF = re.compile(r'name="csrf_token" value="([^"]+)"')
 
@@ -98,3 +98,13 @@ async def sign_in(
     if next_path:
         data["next"] = next_path
     return await http.post(f"{prefix}/admin/login", data=data)
+
+
+async def post_form(
+    http: httpx.AsyncClient, form_page: str, action: str, data: dict[str, Any]
+) -> httpx.Response:
+    """Open ``form_page`` (a signed-in page with a form) and POST ``data`` with its CSRF token to
+    ``action``; returns the POST's response."""
+    page = await http.get(form_page)
+    assert page.status_code == 200, (form_page, page.status_code, page.text[:500])
+    return await http.post(action, data={"csrf_token": csrf_of(page.text), **data})

@@ -1,0 +1,184 @@
+"""What the tenant, key and audit pages share: the audit actor, how values are shown, form
+parsing with messages for people, offset pagination, and the "not found" page.
+
+Templates get display strings prepared here (the template environment has no custom filters),
+so a page's Python decides every format once and the templates only lay them out.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlencode
+
+from loraplex.platform.openai.errors import APIError
+from loraplex.webui.context import Refused
+
+WEB_ACTOR = "admin (web)"  # the audit log's actor for changes made in the admin UI
+
+# One label per quota field of ``loraplex.platform.tenants.QUOTA_FIELDS``, in that order.
+QUOTA_LABELS: dict[str, str] = {
+    "requests_per_minute": "Requests per minute",
+    "tokens_per_minute": "Tokens per minute",
+    "max_concurrent_requests": "Concurrent requests",
+    "max_adapters": "Adapters",
+}
+
+MAX_QUOTA = 10**12
+NONE = "—"
+
+
+# ---- showing values --------------------------------------------------------------------------
+
+
+def fmt_time(value: dt.datetime | None) -> str:
+    """``2025-01-31 12:00 UTC`` (the UI shows UTC everywhere: the log and usage days are UTC)."""
+    if value is None:
+        return NONE
+    return value.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def fmt_iso(value: dt.datetime | None) -> str:
+    """For ``<time datetime=...>``."""
+    return "" if value is None else value.astimezone(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def fmt_ago(value: dt.datetime | None, now: dt.datetime, never: str = "never") -> str:
+    """``just now``, ``5 min ago``, ``3 h ago``, ``12 days ago``; future times ``in 3 days``."""
+    if value is None:
+        return never
+    seconds = (now - value).total_seconds()
+    future = seconds < 0
+    seconds = abs(seconds)
+    if seconds < 60:
+        return "just now" if not future else "in under a minute"
+    for unit, size in (("day", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            n = int(seconds // size)
+            text = f"{n} {unit}{'s' if unit == 'day' and n != 1 else ''}"
+            return f"in {text}" if future else f"{text} ago"
+    raise AssertionError("unreachable")
+
+
+def fmt_count(value: int | None) -> str:
+    return NONE if value is None else f"{value:,}"
+
+
+def fmt_limit(value: int | None) -> str:
+    return "no limit" if value is None else f"{value:,}"
+
+
+def fmt_bytes(value: int) -> str:
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:,.0f} {unit}" if unit == "B" else f"{size:,.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def fmt_value(value: Any) -> str:
+    """A JSON value of an audit snapshot, short and readable."""
+    if value is None:
+        return "not set"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(fmt_value(v) for v in value) or "none"
+    if isinstance(value, str):
+        try:  # snapshots keep times as ISO strings
+            parsed = dt.datetime.fromisoformat(value)
+        except ValueError:
+            return value
+        if parsed.tzinfo is not None and "T" in value:
+            return fmt_time(parsed)
+        return value
+    return str(value)
+
+
+# ---- forms -----------------------------------------------------------------------------------
+
+
+class FormErrors(dict[str, str]):
+    """Field name → what is wrong with it; ``"_"`` holds a message for the whole form."""
+
+    def add_api_error(self, error: APIError, default_field: str = "_") -> None:
+        self[error.param if error.param else default_field] = error.message
+
+
+def parse_limit(text: str, label: str) -> tuple[int | None, str | None]:
+    """A quota from a form: blank → no limit; else a whole number from 1 to 10^12.
+    Returns ``(value, error)``."""
+    text = text.strip().replace(",", "").replace("_", "")
+    if not text:
+        return None, None
+    if not text.isdigit() or not 1 <= int(text) <= MAX_QUOTA:
+        return None, (
+            f"{label}: enter a whole number from 1 to 1,000,000,000,000, or leave it blank "
+            "for no limit."
+        )
+    return int(text), None
+
+
+def parse_quotas(fields: dict[str, str], errors: FormErrors) -> dict[str, int | None]:
+    """The four quotas of a submitted form (``fields``: name → text); errors by field."""
+    out: dict[str, int | None] = {}
+    for name, label in QUOTA_LABELS.items():
+        value, error = parse_limit(fields.get(name, ""), label)
+        if error:
+            errors[name] = error
+        out[name] = value
+    return out
+
+
+def page_number(text: str | None) -> int:
+    """``?page=`` as a number from 1 (anything else is page 1)."""
+    if text and text.isdigit() and len(text) <= 7:
+        return max(1, int(text))
+    return 1
+
+
+# ---- pagination ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pager:
+    """Offset pages of ``size`` rows over ``total`` rows; ``number`` counts from 1."""
+
+    number: int
+    size: int
+    total: int
+
+    @property
+    def last(self) -> int:
+        return max(1, -(-self.total // self.size))
+
+    @property
+    def offset(self) -> int:
+        return (self.number - 1) * self.size
+
+    @property
+    def first_row(self) -> int:
+        return self.offset + 1 if self.total else 0
+
+    def last_row(self, shown: int) -> int:
+        return self.offset + shown
+
+    def clamped(self) -> Pager:
+        return Pager(min(self.number, self.last), self.size, self.total)
+
+    def link(self, path: str, number: int, params: Iterable[tuple[str, str]]) -> str:
+        query = [(k, v) for k, v in params if v] + ([("page", str(number))] if number > 1 else [])
+        return path + (f"?{urlencode(query)}" if query else "")
+
+
+# ---- answers ---------------------------------------------------------------------------------
+
+
+def not_found(what: str, back: tuple[str, str]) -> Refused:
+    """The 404 page: ``what`` (e.g. "No tenant named 'x'.") and the way back (label, path)."""
+    return Refused(404, "Not found", f"{what} It may have been deleted or renamed.", action=back)
