@@ -16,7 +16,7 @@ from loraplex.platform.auth import Authenticator, OperatorKeyAuthenticator
 from loraplex.platform.metrics import PlatformMetrics
 from loraplex.platform.metrics import router as metrics_router
 from loraplex.platform.models import ModelResolver
-from loraplex.platform.openai.errors import install_error_handlers
+from loraplex.platform.openai.errors import document_error_envelope, install_error_handlers
 from loraplex.platform.openai.routes import router
 from loraplex.platform.openai.serving import OpenAIServing, ServingConfig
 from loraplex.platform.registry.upload import streams_own_body
@@ -109,6 +109,7 @@ def create_app(
     app.state.authenticator = authenticator or OperatorKeyAuthenticator(key)
     app.state.metrics = metrics = PlatformMetrics(client)
     install_error_handlers(app)
+    document_error_envelope(app)
     app.include_router(router)
     app.include_router(metrics_router)
     # Outermost last: the request log wraps the body limit, so a 413 is logged (and counted) too.

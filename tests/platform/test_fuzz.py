@@ -13,7 +13,10 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
-from schemathesis.specs.openapi.checks import response_schema_conformance
+from schemathesis.specs.openapi.checks import (
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from loraplex.engine.client import RequestDelta
 from loraplex.platform.openai.protocol import ErrorResponse
@@ -54,7 +57,7 @@ def _check_response(case: Any, response: Any) -> str:
             payload = json.loads(block.removeprefix("data: "))
             assert "error" not in payload, payload
         return f"{status}-stream"
-    case.validate_response(response, checks=[response_schema_conformance])
+    case.validate_response(response, checks=[response_schema_conformance, status_code_conformance])
     return f"{status}"
 
 

@@ -276,3 +276,48 @@ def _body_problem(cause: BaseException | None) -> str:
         # int() refuses over sys.get_int_max_str_digits() digits (4300 by default)
         return "a number in it has thousands of digits; no field takes a number that long"
     return "send UTF-8 encoded JSON with 'Content-Type: application/json'"
+
+
+def document_error_envelope(app: FastAPI) -> None:
+    """Make the OpenAPI schema say what the server does: every 4xx/5xx is OpenAI's envelope
+    (``ErrorResponse``), and a body that fails validation is a 400, never FastAPI's 422."""
+    from fastapi.openapi.utils import get_openapi
+
+    from loraplex.platform.openai.protocol import ErrorResponse
+
+    statuses = {
+        "400": "Invalid request (the message names the field)",
+        "401": "Missing or invalid API key",
+        "403": "The key lacks the needed scope, or the tenant is suspended",
+        "404": "Unknown model, adapter, tenant or key",
+        "413": "Request body too large",
+        "429": "Rate limit exceeded (see Retry-After)",
+        "503": "The engine is unavailable (restarting); retry later",
+    }
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, summary=app.summary, routes=app.routes
+            )
+            ref = {"$ref": "#/components/schemas/ErrorResponse"}
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components["ErrorResponse"] = ErrorResponse.model_json_schema(
+                ref_template="#/components/schemas/{model}"
+            )
+            components.update(components["ErrorResponse"].pop("$defs", {}))
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    responses = operation.setdefault("responses", {})
+                    responses.pop("422", None)
+                    for status, text in statuses.items():
+                        responses.setdefault(
+                            status,
+                            {"description": text, "content": {"application/json": {"schema": ref}}},
+                        )
+            for unused in ("HTTPValidationError", "ValidationError"):
+                components.pop(unused, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
