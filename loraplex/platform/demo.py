@@ -56,7 +56,8 @@ def _rotate_key(platform: Any) -> tuple[str, int]:
 async def setup_demo(app: Any, platform: Any) -> DemoInfo:
     """Create or refresh the demo tenant; raises ``APIError`` when the served model cannot take
     the demo adapters (they fit the embedded SmolLM2-135M-Instruct only)."""
-    from loraplex.platform.registry.upload import ReceivedUpload
+    from loraplex.platform.registry.upload import STORED_NAME, ReceivedUpload
+    from loraplex.platform.registry.validate import CONFIG_NAME, WEIGHTS_NAME
 
     registry = app.state.registry
     token, tenant_id = await anyio.to_thread.run_sync(_rotate_key, platform)
@@ -67,10 +68,8 @@ async def setup_demo(app: Any, platform: Any) -> DemoInfo:
         source = ADAPTERS_DIR / name
         work = Path(tempfile.mkdtemp(prefix="demo-", dir=platform.data_dir))
         try:
-            config = Path(shutil.copy(source / "adapter_config.json", work / "config.json"))
-            weights = Path(
-                shutil.copy(source / "adapter_model.safetensors", work / "weights.safetensors")
-            )
+            config = Path(shutil.copy(source / CONFIG_NAME, work / STORED_NAME["config"]))
+            weights = Path(shutil.copy(source / WEIGHTS_NAME, work / STORED_NAME["weights"]))
             received = ReceivedUpload(
                 fields={"name": name, "description": description},
                 files={"config": config, "weights": weights},
@@ -107,7 +106,7 @@ of France?"}}], "max_tokens": 48}}'
     python -c '
 from openai import OpenAI
 client = OpenAI(base_url="{base_url}/v1")  # reads OPENAI_API_KEY
-for model in ["{base_model}", {", ".join(repr(a) for a in info.adapters)}]:
+for model in ["{base_model}", {", ".join(f'"{a}"' for a in info.adapters)}]:
     r = client.chat.completions.create(model=model, max_tokens=48,
         messages=[{{"role": "user", "content": "What is the capital of France?"}}])
     print(model, "->", r.choices[0].message.content)
