@@ -333,6 +333,13 @@ async def revoke_key(
 # ---- usage, audit, engine ----------------------------------------------------------------------
 
 
+async def _flush_usage(request: Request) -> None:
+    """Reports include the rows still buffered in the recorder."""
+    recorder = usage.get_recorder(request)
+    if recorder is not None:
+        await recorder.flush()
+
+
 @router.get("/tenants/{tenant}/usage", response_model=usage.UsageReport)
 async def tenant_usage(
     request: Request,
@@ -343,6 +350,7 @@ async def tenant_usage(
 ) -> Any:
     """One tenant's usage by day and model (``start``/``end``: UTC days, both included)."""
     days = usage.parse_range(start, end)
+    await _flush_usage(request)
 
     def read(session: Session) -> usage.UsageReport:
         row = tenants.require_tenant(session, tenant)
@@ -357,6 +365,7 @@ async def all_usage(
 ) -> Any:
     """Every tenant's usage by day, tenant and model."""
     days = usage.parse_range(start, end)
+    await _flush_usage(request)
     return await _db(request, partial(usage.all_usage, days=days))
 
 

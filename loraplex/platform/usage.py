@@ -604,6 +604,9 @@ async def get_usage(
             code="not_a_tenant",
         )
     tenant_id = int(caller.tenant_id)
+    recorder = get_recorder(request)
+    if recorder is not None:  # read your own writes: the rows still buffered count too
+        await recorder.flush()
     return await _platform(request).db.run(partial(tenant_usage, tenant_id=tenant_id, days=days))
 
 
