@@ -15,7 +15,7 @@ import asyncio
 import datetime as dt
 import logging
 from functools import partial
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StrictInt
@@ -27,8 +27,7 @@ from loraplex.platform.auth import SCOPE_ADMIN, Caller, require_scope
 from loraplex.platform.db.models import ApiKey, Tenant, utcnow
 from loraplex.platform.keys import display_key
 from loraplex.platform.openai.errors import APIError, engine_unavailable
-from loraplex.platform.quotas import get_quotas
-from loraplex.platform.tenancy import Platform
+from loraplex.platform.tenancy import Platform, tenant_deleted, tenant_limits_changed
 
 logger = logging.getLogger(__name__)
 
@@ -166,24 +165,6 @@ def _check_page(offset: int, limit: int) -> None:
         raise APIError(400, f"limit must be from 1 to {MAX_PAGE}; got {limit}.", param="limit")
 
 
-class _GarbageCollector(Protocol):
-    async def collect_garbage(self) -> list[str]: ...
-
-
-async def _after_tenant_deleted(request: Request, tenant_id: int) -> None:
-    """A deleted tenant's rows are gone (the database cascades); its adapters' files and engine
-    copies go through the registry, its quota state here."""
-    quotas = get_quotas(request)
-    if quotas is not None:
-        quotas.forget(tenant_id)
-    registry: _GarbageCollector | None = getattr(request.app.state, "registry", None)
-    if registry is not None and hasattr(registry, "collect_garbage"):
-        try:
-            await registry.collect_garbage()
-        except Exception:  # the tenant is gone; its files wait for the next collection
-            logger.exception("removing the adapters of a deleted tenant failed")
-
-
 # ---- tenants -----------------------------------------------------------------------------------
 
 
@@ -252,9 +233,7 @@ async def update_tenant(
         return row.id, TenantView.of(row)
 
     tenant_id, view = await _db(request, update)
-    quotas = get_quotas(request)
-    if quotas is not None:
-        quotas.invalidate(tenant_id)  # new limits apply from the next request
+    tenant_limits_changed(request.app, tenant_id)
     return view
 
 
@@ -269,7 +248,7 @@ async def delete_tenant(request: Request, tenant: str, caller: Caller = operator
         return tenant_id
 
     tenant_id: int = await _db(request, delete)
-    await _after_tenant_deleted(request, tenant_id)
+    await tenant_deleted(request.app, tenant_id)
     return Deleted(id=tenant, object="tenant")
 
 

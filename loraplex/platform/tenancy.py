@@ -7,6 +7,7 @@ into the platform: each component installs itself (its state on ``app.state`` an
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,8 @@ from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from loraplex.platform.db.database import Database, sqlite_url
+
+logger = logging.getLogger(__name__)
 
 
 def default_data_dir() -> Path:
@@ -60,6 +63,28 @@ class Platform:
     def open(cls, settings: TenancySettings) -> Platform:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         return cls(settings, Database(settings.resolved_database_url))
+
+
+def tenant_limits_changed(app: FastAPI, tenant_id: int) -> None:
+    """A tenant's quotas or status changed: they apply from its next request."""
+    quotas = getattr(app.state, "quotas", None)
+    if quotas is not None:
+        quotas.invalidate(tenant_id)
+
+
+async def tenant_deleted(app: FastAPI, tenant_id: int) -> None:
+    """The database dropped a deleted tenant's rows (cascades); its quota state goes here and its
+    adapters' files and engine copies through the registry (a failure waits for the next
+    collection: nothing names those files any more)."""
+    quotas = getattr(app.state, "quotas", None)
+    if quotas is not None:
+        quotas.forget(tenant_id)
+    registry = getattr(app.state, "registry", None)
+    if registry is not None:
+        try:
+            await registry.collect_garbage()
+        except Exception:
+            logger.exception("removing the adapters of a deleted tenant failed")
 
 
 def install_tenancy(app: FastAPI, platform: Platform) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from fastapi import APIRouter, Request
 from sqlalchemy import func, select
@@ -32,7 +32,7 @@ from loraplex.platform import usage
 from loraplex.platform.db.models import Adapter, ApiKey, Tenant, utcnow
 from loraplex.platform.db.scope import TenantScope
 from loraplex.platform.openai.errors import APIError
-from loraplex.platform.quotas import get_quotas
+from loraplex.platform.tenancy import tenant_deleted, tenant_limits_changed
 from loraplex.webui.context import Admin, FormPost, NavItem, SignedIn, redirect, render, webui_of
 from loraplex.webui.keys import key_rows
 from loraplex.webui.views import (
@@ -97,29 +97,6 @@ def _check_display_name(values: dict[str, str]) -> FormErrors:
             f"A display name is at most {MAX_DISPLAY_NAME} characters; shorten it."
         )
     return errors
-
-
-def _limits_changed(request: Request, tenant_id: int) -> None:
-    quotas = get_quotas(request)
-    if quotas is not None:
-        quotas.invalidate(tenant_id)  # new limits and status apply from the next request
-
-
-class _GarbageCollector(Protocol):
-    async def collect_garbage(self) -> list[str]: ...
-
-
-async def _tenant_deleted(request: Request, tenant_id: int) -> None:
-    """The database dropped the tenant's rows; its quota state and adapter files go too."""
-    quotas = get_quotas(request)
-    if quotas is not None:
-        quotas.forget(tenant_id)
-    registry: _GarbageCollector | None = getattr(request.app.state, "registry", None)
-    if registry is not None and hasattr(registry, "collect_garbage"):
-        try:
-            await registry.collect_garbage()
-        except Exception:  # the tenant is gone; its files wait for the next collection
-            logger.exception("removing the adapters of a deleted tenant failed")
 
 
 # ---- the list --------------------------------------------------------------------------------
@@ -372,7 +349,7 @@ async def save_tenant(request: Request, name: str, admin: FormPost) -> Response:
         errors.add_api_error(error)
         return _form_page(request, admin, mode="edit", values=values, errors=errors,
                           status=error.status, tenant_name=name)  # fmt: skip
-    _limits_changed(request, tenant_id)
+    tenant_limits_changed(request.app, tenant_id)
     admin.flash("success" if changed else "info", "Saved." if changed else "Nothing changed.")
     return redirect(request, tenant_path(name))
 
@@ -389,7 +366,7 @@ async def set_status(request: Request, name: str, admin: FormPost) -> Response:
         service.update_tenant(session, WEB_ACTOR, tenant, status=status)
         return tenant.id
 
-    _limits_changed(request, await webui_of(request).platform.db.run(update))
+    tenant_limits_changed(request.app, await webui_of(request).platform.db.run(update))
     if status == "suspended":
         message = f"{name} is suspended: its API keys are refused from their next request."
     else:
@@ -450,6 +427,6 @@ async def delete_tenant(request: Request, name: str, admin: FormPost) -> Respons
     if unconfirmed is not None:
         error = f"Type the tenant's name, {name}, exactly to confirm; nothing was deleted."
         return _delete_page(request, admin, unconfirmed, error)
-    await _tenant_deleted(request, tenant_id)
+    await tenant_deleted(request.app, tenant_id)
     admin.flash("success", f"Tenant {name} deleted, with its keys, adapters and usage.")
     return redirect(request, LIST)
