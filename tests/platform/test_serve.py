@@ -4,6 +4,7 @@ official openai client; SIGTERM shuts it down cleanly (exit 0); with the platfor
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -92,11 +93,47 @@ def test_serve_subprocess_with_openai_client(tiny_model: str, tmp_path: Path) ->
         assert chat.choices[0].message.content
         assert chat.usage is not None and 1 <= chat.usage.completion_tokens <= 5
         assert chat.choices[0].finish_reason in ("stop", "length")
+        # Streamed text equals non-streamed text for the same seed (sampling, not greedy).
+        messages = [{"role": "user", "content": "t9 t10 t11"}]
+        whole = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=12, seed=7, temperature=1.0
+        )
+        streamed = "".join(
+            chunk.choices[0].delta.content or ""
+            for chunk in client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=12, seed=7, temperature=1.0,
+                stream=True,
+            )
+            if chunk.choices
+        )  # fmt: skip
+        assert streamed == whole.choices[0].message.content
+        assert asyncio.run(_async_completions(server.base)) is True
         assert httpx.get(f"{server.base}/v1/models").status_code == 401
         assert httpx.get(f"{server.base}/admin/login").status_code == 200
     finally:
         code = server.stop()
     assert code == 0
+
+
+async def _async_completions(base: str) -> bool:
+    """The async client: completions streamed (with a usage chunk) and not, same seed."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{base}/v1", api_key=ADMIN)
+    kwargs = dict(model="tiny", prompt="t20 t21 t22", max_tokens=10, seed=3, n=2)
+    whole = await client.completions.create(**kwargs)  # type: ignore[call-overload]
+    texts, usage = ["", ""], None
+    stream = await client.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}
+    )  # type: ignore[call-overload]
+    async for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+        usage = chunk.usage or usage
+    await client.close()
+    assert texts == [c.text for c in whole.choices]
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+    return True
 
 
 @pytest.mark.slow
