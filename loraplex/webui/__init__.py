@@ -16,7 +16,17 @@ from starlette.responses import Response
 from starlette.staticfiles import StaticFiles
 
 from loraplex.platform.tenancy import Platform
-from loraplex.webui import audit, context, keys, login, overview, tenants
+from loraplex.webui import (
+    adapters,
+    audit,
+    context,
+    keys,
+    login,
+    overview,
+    playground,
+    tenants,
+    usage,
+)
 from loraplex.webui.context import (
     STATIC_DIR,
     LoginRequired,
@@ -34,7 +44,15 @@ from loraplex.webui.sessions import LoginThrottle, SessionStore
 
 __all__ = ["PAGES", "WebUI", "WebUISettings", "install_webui", "load_webui_settings"]
 
-PAGES: tuple[ModuleType, ...] = (overview, tenants, keys, audit)  # in navigation order
+PAGES: tuple[ModuleType, ...] = (
+    overview,
+    tenants,
+    keys,
+    adapters,
+    usage,
+    audit,
+    playground,
+)  # in navigation order
 
 
 def load_webui_settings(**overrides: Any) -> WebUISettings:

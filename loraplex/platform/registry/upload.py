@@ -48,7 +48,7 @@ MULTIPART_SLACK = 64 * 1024  # part headers and boundaries beyond the files' byt
 MAX_FIELD_BYTES = 16 * 1024
 MAX_PARTS = 16
 # The upload endpoints: they stream and limit their own bodies (see ``streams_own_body``).
-UPLOAD_PATH = re.compile(r"/v1/adapters|/admin/api/tenants/[^/]+/adapters")
+UPLOAD_PATH = re.compile(r"/v1/adapters|/admin/api/tenants/[^/]+/adapters|/admin/adapters/upload")
 ACCEPTED = (
     f"upload {CONFIG_NAME} and {WEIGHTS_NAME} as two files, or one .zip / .tar.gz / .tar "
     "archive of the adapter directory"
