@@ -41,11 +41,11 @@ def make_case(
             * 0.05
         )
         b_j = (
-            torch.randn(max_loras, n, max_rank, generator=g, device=dev, dtype=torch.float32) * 0.05
+            torch.randn(max_loras, max_rank, n, generator=g, device=dev, dtype=torch.float32) * 0.05
         )
         for s in range(max_loras):
             a_j[s, int(rank_t[s]) :] = 0
-            b_j[s, :, int(rank_t[s]) :] = 0
+            b_j[s, int(rank_t[s]) :] = 0
         a.append(a_j.to(dtype))
         b.append(b_j.to(dtype))
     offsets = [sum(outs[:j]) for j in range(len(outs))]

@@ -116,4 +116,6 @@ class EngineCore:
             "lora_resident_device": residency["device"],
             "lora_resident_host": residency["host"],
             "lora_registered": residency["disk"],
+            "lora_slot_evictions": lora.stats.slot_evictions,
+            "lora_residency": lora.tiers(),  # content hash -> device | host | disk
         }

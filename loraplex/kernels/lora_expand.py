@@ -1,8 +1,10 @@
-"""LoRA expand (Punica SGMV, second half): ``y[t, off_j : off_j + n_j] += buf[j, t, :r] @ B_j[s, :, :r].T``.
+"""LoRA expand (Punica SGMV, second half): ``y[t, off_j : off_j + n_j] += buf[j, t, :r] @ B_j[s, :r]``.
 
 One module: the Triton kernel, its launcher and a plain-torch reference with the same signature.
-``buf`` is the shrink's output (scale already folded in). Only rows of tokens with a slot are
-touched, and the K loop stops at each slot's own rank, so ``buf`` columns past it are never read.
+``buf`` is the shrink's output (scale already folded in). B is stored ``[max_loras, R, n_j]``
+(rank-major: a tile of B is ``BLOCK_N`` consecutive values per rank row). Only rows of tokens
+with a slot are touched, and the K loop stops at each slot's own rank, so ``buf`` columns (and B
+rows) past it are never read.
 """
 
 from __future__ import annotations
@@ -45,13 +47,13 @@ def _check_expand_args(
     check_stacks("lora_b", lora_b, y.dtype, meta.max_loras)
     if len(slice_offsets) != len(lora_b):
         raise ValueError(f"{len(lora_b)} lora_b slices but {len(slice_offsets)} slice_offsets")
-    R = lora_b[0].shape[2]
+    R = lora_b[0].shape[1]
     for j, (b, off) in enumerate(zip(lora_b, slice_offsets, strict=True)):
-        if b.shape[2] != R:
-            raise ValueError(f"lora_b[{j}] has rank dim {b.shape[2]}, lora_b[0] has {R}")
-        if off < 0 or off + b.shape[1] > y.shape[1]:
+        if b.shape[1] != R:
+            raise ValueError(f"lora_b[{j}] has rank dim {b.shape[1]}, lora_b[0] has {R}")
+        if off < 0 or off + b.shape[2] > y.shape[1]:
             raise ValueError(
-                f"slice {j} (offset {off}, width {b.shape[1]}) does not fit y's {y.shape[1]} "
+                f"slice {j} (offset {off}, width {b.shape[2]}) does not fit y's {y.shape[1]} "
                 "columns"
             )
     want = (len(lora_b), y.shape[0], R)
@@ -67,7 +69,7 @@ def _check_expand_args(
 #
 #   grid = (cdiv(max_num_tokens, BM) * cdiv(max_j n_j, BN),  num_slices,  max_loras)
 #
-#   buf[j] rows (gathered)      B_j[slot]^T               y[rows, off_j + cols] (scattered)
+#   buf[j] rows (gathered)      B_j[slot]                 y[rows, off_j + cols] (scattered)
 #   [BM, rank] ── K loop to the slot's rank ──▶ [rank, BN] ──▶ acc [BM, BN] fp32 ──▶ y += acc
 #
 # Each (token, column) of y belongs to exactly one program, so the read-add-write needs no atomics.
@@ -137,8 +139,8 @@ def _lora_expand_kernel(
     offs_k = tl.arange(0, BLOCK_K)  # [BK] rank index
     h_ptrs = buf_ptr + slice_id * stride_bs + tok[:, None] * stride_bt + offs_k[None, :]  # [BM, BK]
     b_ptrs = (
-        b_ptr + slot.to(tl.int64) * n_out * R + offs_n[None, :] * R + offs_k[:, None]
-    )  # [BK, BN]
+        b_ptr + slot.to(tl.int64) * R * n_out + offs_k[:, None] * n_out + offs_n[None, :]
+    )  # [BK, BN], rows of B_j[slot] are rank indices
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k0 in range(0, rank, BLOCK_K):
         k_mask = offs_k < rank - k0
@@ -149,7 +151,7 @@ def _lora_expand_kernel(
         else:
             acc += tl.dot(ht.to(bt.dtype), bt)
         h_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * n_out
     y_ptrs = y_ptr + tok[:, None] * stride_yt + col_off + offs_n[None, :]  # [BM, BN]
     y_mask = m_mask[:, None] & n_mask[None, :]
     yt = tl.load(y_ptrs, mask=y_mask, other=0.0)
@@ -181,15 +183,15 @@ def lora_expand(
 ) -> None:
     """Triton expand, in place on ``y`` (see module doc).
 
-    buf: [num_slices, T, R] (fp32 or y.dtype); lora_b: per slice [max_loras, n_j, R];
+    buf: [num_slices, T, R] (fp32 or y.dtype); lora_b: per slice [max_loras, R, n_j];
     y: [T, total_out]; slice_offsets: column offset of each slice in y.
     """
     _check_expand_args(buf, lora_b, meta, ranks, y, slice_offsets)
     if not meta.has_lora:
         return
     check_launch_device(y)
-    R = lora_b[0].shape[2]
-    widths = [b.shape[1] for b in lora_b]
+    R = lora_b[0].shape[1]
+    widths = [b.shape[2] for b in lora_b]
     pad = MAX_SLICES - len(lora_b)
     b = [*lora_b, *[lora_b[0]] * pad]  # unused slices: never read (grid axis 1 stops first)
     n = [*widths, *[0] * pad]
@@ -233,7 +235,7 @@ def lora_expand_torch(
         idx = sorted_idx[start : start + n]  # [n] token rows of this segment
         for j, (b, off) in enumerate(zip(lora_b, slice_offsets, strict=True)):
             h = buf[j].index_select(0, idx)[:, :r].float()  # [n, r]
-            d = h @ b[slot, :, :r].float().T  # [n, n_j]
-            cols = y[:, off : off + b.shape[1]]  # [T, n_j] view
+            d = h @ b[slot, :r].float()  # [n, n_j]
+            cols = y[:, off : off + b.shape[2]]  # [T, n_j] view
             rows = cols.index_select(0, idx).float() + d  # [n, n_j], summed in fp32 like Triton
             cols.index_copy_(0, idx, rows.to(y.dtype))

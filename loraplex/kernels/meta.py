@@ -10,6 +10,12 @@ Layout after ``prepare(token_slots)`` with ``token_slots = [1, -1, 0, 1, 0]``::
     active_slots          [0, 1, -1, ...]    slot of segment i; -1 beyond num_segments
     seg_lens              [2, 2, 0, ...]
     seg_starts            [0, 2, 4, ...]     offset of segment i in sorted_token_indices
+    seg_row_list          [None, None]       (host) first batch row of segment i when its tokens
+                                             are consecutive rows, else None
+
+The runner orders a step's requests by slot, so in the engine every segment is a run of rows
+(``seg_row_list`` has no None, ``row_runs`` lists them) and the torch path adds each segment's
+delta, or a padded group's real rows, to a slice of y instead of scattering it.
 """
 
 from __future__ import annotations
@@ -29,11 +35,12 @@ class SegmentGroup:
     """Segments the torch path handles with one batched matmul per slice."""
 
     slots: tuple[int, ...]  # adapter slot of each segment, ascending
-    slot_index: torch.Tensor  # [G] int64, the same slots on the device
     seg_len: int  # L, the longest segment of the group
     pad_index: torch.Tensor  # [G * L] int64 token row per padded position (pads: a real row)
-    pad_mask: torch.Tensor  # [G, L, 1] float32, 1.0 on real rows and 0.0 on pads
     row_start: int | None  # pad_index == row_start + arange(G * L): rows are a slice of the batch
+    real_pos: torch.Tensor | None  # [n] padded positions of the real rows (None: no pads)
+    real_rows: torch.Tensor  # [n] their batch rows, in segment order
+    real_row_start: int | None  # real_rows == real_row_start + arange(n): a slice of the batch
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,6 @@ class LoRAKernelMeta:
         self._arange = torch.arange(max_num_tokens, dtype=i64, device=dev)  # [max_T]
         pad_rows = max_num_tokens + GROUP_COST_ROWS * max_loras  # bound: see group_segments
         self._pad_index = torch.zeros(pad_rows, dtype=i64, device=dev)  # [pad_rows]
-        self._pad_mask = torch.zeros(pad_rows, dtype=torch.float32, device=dev)
         self._workspaces: dict[tuple[int, int], torch.Tensor] = {}
         # --- host-side summary of the step ---
         self.has_lora = False
@@ -106,6 +112,9 @@ class LoRAKernelMeta:
         self.active_slot_list: list[int] = []
         self.seg_len_list: list[int] = []
         self.seg_start_list: list[int] = []
+        self.seg_row_list: list[int | None] = []
+        # (slot, first row, end row) per segment when every segment is a run of rows, else None
+        self.row_runs: list[tuple[int, int, int]] | None = None
         self._plan: TorchPlan | None = None
 
     def prepare(self, token_slots: torch.Tensor) -> None:
@@ -140,9 +149,18 @@ class LoRAKernelMeta:
         self.seg_lens.copy_(seg_lens)
         self.active_slots.copy_(torch.where(seg_lens > 0, seg_order, -1))
         self.seg_starts.copy_(torch.cumsum(seg_lens, 0) - seg_lens)
-        # One host sync for the whole step: per-slot counts plus the range of slot ids.
-        host = torch.cat([counts, torch.stack(torch.aminmax(slots)).to(counts.dtype)]).tolist()
-        lo, hi = host[-2], host[-1]
+        # First and last batch row of each slot's tokens: the stable sort keeps rows ascending
+        # within a slot, so its tokens are consecutive rows iff last - first == count - 1.
+        slot_counts = counts[:n_slots]  # [max_loras]
+        first = (torch.cumsum(slot_counts, 0) - slot_counts).clamp_(max=T - 1)  # [max_loras]
+        last = (first + slot_counts - 1).clamp_(0, T - 1)  # [max_loras]
+        rows = self._sort_order[:T]  # [T]
+        ends = torch.cat([rows.index_select(0, first), rows.index_select(0, last)])
+        # One host sync for the whole step: per-slot counts, the range of slot ids, segment ends.
+        host = torch.cat(
+            [counts, torch.stack(torch.aminmax(slots)).to(counts.dtype), ends.to(counts.dtype)]
+        ).tolist()
+        lo, hi = host[n_slots + 1], host[n_slots + 2]
         if lo < -1 or hi >= n_slots:
             self._set_empty()
             raise ValueError(
@@ -150,8 +168,21 @@ class LoRAKernelMeta:
                 f"got values in [{lo}, {hi}]"
             )
         per_slot = host[:n_slots]
+        first_rows = host[n_slots + 3 : 2 * n_slots + 3]
+        last_rows = host[2 * n_slots + 3 :]
         self.active_slot_list = [s for s, c in enumerate(per_slot) if c > 0]
         self.seg_len_list = [per_slot[s] for s in self.active_slot_list]
+        self.seg_row_list = [
+            first_rows[s] if last_rows[s] - first_rows[s] == per_slot[s] - 1 else None
+            for s in self.active_slot_list
+        ]
+        runs: list[tuple[int, int, int]] = []
+        for slot, row, n in zip(
+            self.active_slot_list, self.seg_row_list, self.seg_len_list, strict=True
+        ):
+            if row is not None:
+                runs.append((slot, row, row + n))
+        self.row_runs = runs if len(runs) == len(self.seg_row_list) else None
         starts, acc = [], 0
         for n in self.seg_len_list:
             starts.append(acc)
@@ -169,6 +200,8 @@ class LoRAKernelMeta:
         self.has_lora = False
         self.num_lora_tokens = self.num_segments = self.max_seg_len = 0
         self.active_slot_list, self.seg_len_list, self.seg_start_list = [], [], []
+        self.seg_row_list = []
+        self.row_runs = None
 
     def torch_plan(self) -> TorchPlan:
         """The padded gather layout for the torch path, built on first use in a step."""
@@ -188,10 +221,8 @@ class LoRAKernelMeta:
             valid = col < lens.unsqueeze(1)  # [G, L]
             pos = torch.where(valid, starts.unsqueeze(1) + col, starts.unsqueeze(1))  # [G, L]
             pad_index = self._pad_index[row : row + G * L]  # [G*L], pads repeat a segment row
-            pad_mask = self._pad_mask[row : row + G * L]  # [G*L]
             row += G * L
             torch.index_select(self._sorted64, 0, pos.view(-1), out=pad_index)
-            pad_mask.copy_(valid.view(-1))
             slots = tuple(self.active_slot_list[i] for i in members)
             # Tokens already in segment order with equal segments (a prefill chunk, a decode
             # batch sorted by adapter): the block is a slice of x and y, no gather or scatter.
@@ -202,14 +233,25 @@ class LoRAKernelMeta:
                 and torch.equal(pad_index, self._arange[first : first + G * L])
                 else None
             )
+            padded = any(self.seg_len_list[i] < L for i in members)
+            real_pos = valid.view(-1).nonzero().view(-1) if padded else None  # [n], pads dropped
+            real_rows = pad_index if real_pos is None else pad_index.index_select(0, real_pos)
+            first_real, n_real = int(real_rows[0]), real_rows.shape[0]
+            real_row_start = (
+                first_real
+                if first_real + n_real <= self.num_tokens
+                and torch.equal(real_rows, self._arange[first_real : first_real + n_real])
+                else None
+            )
             groups.append(
                 SegmentGroup(
                     slots=slots,
-                    slot_index=torch.tensor(slots, dtype=torch.int64, device=dev),
                     seg_len=L,
                     pad_index=pad_index,
-                    pad_mask=pad_mask.view(G, L, 1),
                     row_start=row_start,
+                    real_pos=real_pos,
+                    real_rows=real_rows,
+                    real_row_start=real_row_start,
                 )
             )
         self._plan = TorchPlan(groups=tuple(groups))

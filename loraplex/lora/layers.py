@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from loraplex.engine.models.layers import Linear
-from loraplex.kernels.lora_ops import LoRALayerWeights, add_lora
+from loraplex.kernels.lora_ops import LoRABackend, LoRALayerWeights, add_lora, select_backend
 from loraplex.kernels.meta import LoRAKernelMeta
 
 
@@ -50,6 +50,7 @@ class LoRALinear(nn.Module):
         self.sizes = [size for _, size in slices.values()]
         self.step = step
         self.weights: LoRALayerWeights | None = None  # allocated at the first adapter load
+        self.backend: LoRABackend | None = None  # resolved once, with the stacks
 
     @property
     def in_features(self) -> int:
@@ -64,17 +65,21 @@ class LoRALinear(nn.Module):
                 for _ in self.sizes
             ),  # per slice [max_loras, max_rank, in]
             lora_b=tuple(
-                torch.zeros(max_loras, n, max_rank, dtype=dtype, device=device) for n in self.sizes
-            ),  # per slice [max_loras, n_j, max_rank]
+                torch.zeros(max_loras, max_rank, n, dtype=dtype, device=device) for n in self.sizes
+            ),  # per slice [max_loras, max_rank, n_j]
             slice_offsets=tuple(self.offsets),
             ranks=torch.zeros(max_loras, dtype=torch.int32, device=w.device),
             scales=torch.ones(max_loras, dtype=torch.float32, device=w.device),
         )
+        self.backend = select_backend(device)
 
     def set_slot(
         self, slot: int, per_slice: list[tuple[torch.Tensor, torch.Tensor, float] | None]
     ) -> None:
-        """Write one adapter into ``slot``: per slice (A [r, in], B [n, r], scaling) or None."""
+        """Write one adapter into ``slot``: per slice (A [r, in], B [n, r], scaling) or None.
+
+        Drops whatever the LoRA kernels prepared from the slot's previous contents.
+        """
         assert self.weights is not None
         rank = 0
         for j, entry in enumerate(per_slice):
@@ -86,13 +91,14 @@ class LoRALinear(nn.Module):
             a, b, scaling = entry
             r = a.shape[0]
             a_stack[:r].copy_(a)  # [r, in]
-            b_stack[:, :r].copy_(b * scaling)  # [n, r], PEFT scaling folded in
+            b_stack[:r].copy_((b * scaling).t())  # [r, n], PEFT scaling folded in
             rank = max(rank, r)
         self.weights.ranks[slot] = rank
+        self.weights.invalidate(slot)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # [T, out]
         meta = self.step.meta
         if meta is not None and meta.has_lora and self.weights is not None:
-            add_lora(y, x, self.weights, meta)
+            add_lora(y, x, self.weights, meta, backend=self.backend)
         return y

@@ -43,6 +43,7 @@ class LoRAStats:
     host_evictions: int = 0
     slot_loads: int = 0  # adapters copied into a device slot
     slot_hits: int = 0  # steps that found their adapter already in its slot
+    slot_evictions: int = 0  # slot loads that replaced another adapter
 
 
 class LoRAManager:
@@ -149,6 +150,10 @@ class LoRAManager:
             return "host"
         return "disk" if key in self._sources else "none"
 
+    def tiers(self) -> dict[str, str]:
+        """Every adapter registered with the engine: content hash -> device | host | disk."""
+        return {key: self.tier_of(key) for key in self._sources}
+
     def residency(self) -> dict[str, int]:
         return {
             "device": sum(k is not None for k in self._slot_key),
@@ -163,6 +168,8 @@ class LoRAManager:
                 self.stats.slot_hits += 1
                 continue
             self._load_slot(slot, self._get_host(key))
+            if self._slot_key[slot] is not None:
+                self.stats.slot_evictions += 1
             self._slot_key[slot] = key
             self.stats.slot_loads += 1
 

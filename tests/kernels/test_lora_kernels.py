@@ -20,6 +20,7 @@ from loraplex.kernels import (
     lora_shrink_torch,
     select_backend,
 )
+from loraplex.kernels.lora_ops import GROUP_CACHE_SIZE, LOOP_MAX_SEGMENTS
 
 TOL = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),
@@ -59,10 +60,10 @@ def make_weights(
     a_list, b_list = [], []
     for n in widths:
         a = torch.zeros(L, max_rank, in_features)  # [L, R, in]
-        b = torch.zeros(L, n, max_rank)  # [L, n, R]
+        b = torch.zeros(L, max_rank, n)  # [L, R, n]
         for s, r in enumerate(ranks):
             a[s, :r] = torch.randn(r, in_features, generator=gen) / in_features**0.5
-            b[s, :, :r] = torch.randn(n, r, generator=gen) / max(r, 1) ** 0.5
+            b[s, :r] = torch.randn(r, n, generator=gen) / max(r, 1) ** 0.5
         a_list.append(a.to(dtype))
         b_list.append(b.to(dtype))
     offsets = [sum(widths[:j]) for j in range(len(widths))]
@@ -107,7 +108,7 @@ def naive_add_lora(case: Case) -> torch.Tensor:
         r = int(w.ranks[s])
         for a, b, off in zip(w.lora_a, w.lora_b, w.slice_offsets, strict=True):
             h = w.scales[s] * (case.x[t].float() @ a[s, :r].float().T)  # [r]
-            y[t, off : off + b.shape[1]] += h @ b[s, :, :r].float().T
+            y[t, off : off + b.shape[2]] += h @ b[s, :r].float()
     return y
 
 
@@ -297,7 +298,7 @@ def test_layer_weights_validate_shapes() -> None:
         LoRALayerWeights(w.lora_a, w.lora_b, (0,), w.ranks, w.scales)
     with pytest.raises(ValueError, match="slice 1"):
         LoRALayerWeights(
-            w.lora_a, (w.lora_b[0], w.lora_b[1][:, :, :4].contiguous()), (0, 16), w.ranks, w.scales
+            w.lora_a, (w.lora_b[0], w.lora_b[1][:, :4].contiguous()), (0, 16), w.ranks, w.scales
         )
 
 
@@ -313,3 +314,119 @@ def test_add_lora_torch_slices_with_gaps(grouped: bool) -> None:
     y = case.y0.clone()
     add_lora_torch(y, case.x, case.weights, case.meta)
     torch.testing.assert_close(y, naive_add_lora(case))
+
+
+# --- the per-segment path (rows grouped by slot, as the runner orders them) and its cache ---
+
+
+def grouped(counts: list[int], base: int = 0) -> list[int]:
+    """Base rows first, then each slot's rows as one run (the runner's order)."""
+    return [-1] * base + [s for s, c in enumerate(counts) for _ in range(c)]
+
+
+@pytest.mark.parametrize(
+    ("slots", "ranks", "widths"),
+    [
+        (grouped([3, 0, 5, 0], base=3), [8, 16, 4, 8], QKV_WIDTHS),  # decode: fused B
+        (grouped([2, 70]), [8, 4], QKV_WIDTHS),  # a prefill run: slice by slice
+        (grouped([4, 3]), [32, 12], [40, 24]),  # rank above FUSE_MAX_RANK: slice by slice
+        (grouped([1, 0, 3]), [8, 4, 16], [40]),  # one slice
+        (grouped([2, 2], base=2)[::-1], [4, 8], QKV_WIDTHS),  # runs in reverse slot order
+        (grouped([0, 4, 3], base=1), [8, 0, 4], QKV_WIDTHS),  # a rank-0 slot: nothing added
+        # more segments: the padded path, its pad rows dropped before adding to y
+        (grouped([3, 5, 1, 0, 4], base=3), [8, 16, 4, 8, 0], QKV_WIDTHS),
+        (grouped([3, 1, 40, 2], base=1), [8, 16, 4, 8], QKV_WIDTHS),  # a prefill's own group
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_runs_match_naive(
+    slots: list[int], ranks: list[int], widths: list[int], dtype: torch.dtype
+) -> None:
+    case = make_case(slots, ranks, 32, 48, widths, dtype, max_num_tokens=128)
+    assert case.meta.row_runs is not None  # every segment is a run of rows
+    y = case.y0.clone()
+    add_lora_torch(y, case.x, case.weights, case.meta)
+    torch.testing.assert_close(y.float(), naive_add_lora(case), **TOL[dtype])
+    base = case.slots < 0
+    assert torch.equal(y[base], case.y0[base])  # base-model rows untouched
+
+
+@pytest.mark.parametrize("counts", [[2, 3], [2, 3, 1]])
+def test_row_runs_with_slices_that_do_not_tile(counts: list[int]) -> None:
+    case = make_case(grouped(counts, base=1), [4, 8, 16], 16, 40, [24, 16])
+    w = case.weights
+    case.weights = LoRALayerWeights(w.lora_a, w.lora_b, (8, 40), w.ranks, w.scales)
+    case.y0 = torch.randn(len(case.slots), 64)
+    y = case.y0.clone()
+    add_lora_torch(y, case.x, case.weights, case.meta)
+    torch.testing.assert_close(y, naive_add_lora(case))
+
+
+def test_many_segments_take_the_padded_path() -> None:
+    counts = [1 + s % 3 for s in range(LOOP_MAX_SEGMENTS + 4)]
+    ranks = [4 + 4 * (s % 3) for s in range(len(counts))]
+    case = make_case(grouped(counts, base=2), ranks, 16, 32, QKV_WIDTHS, max_num_tokens=64)
+    assert case.meta.num_segments > LOOP_MAX_SEGMENTS
+    y = case.y0.clone()
+    add_lora_torch(y, case.x, case.weights, case.meta)
+    torch.testing.assert_close(y, naive_add_lora(case))
+
+
+def rewrite_slot(w: LoRALayerWeights, slot: int, rank: int, seed: int) -> None:
+    """New random weights (and rank) in ``slot``, written straight into the stacks."""
+    gen = torch.Generator().manual_seed(seed)
+    for a, b in zip(w.lora_a, w.lora_b, strict=True):
+        a[slot].zero_()
+        b[slot].zero_()
+        a[slot, :rank] = torch.randn(rank, a.shape[2], generator=gen)
+        b[slot, :rank] = torch.randn(rank, b.shape[2], generator=gen)
+    w.ranks[slot] = rank
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_prepared_weights_are_reused_until_invalidated(shuffled: bool) -> None:
+    """The torch path prepares weights once per slot (per group when shuffled) and reuses
+    them; ``invalidate(slot)`` drops that slot's, and only that slot's, prepared weights."""
+    slots = [2, 0, 1, 0, 2, 1, -1, 0] if shuffled else grouped([3, 2], base=1)
+    case = make_case(slots, [8, 4, 12], 16, 32, QKV_WIDTHS)
+    w, cache = case.weights, case.weights.cache
+    y = case.y0.clone()
+    add_lora_torch(y, case.x, w, case.meta)
+    torch.testing.assert_close(y, naive_add_lora(case))
+    if shuffled:
+        (group,) = case.meta.torch_plan().groups
+        form = cache.group_form(group.slots)
+        assert form is not None and form.rank == 12
+        assert cache.group_form(group.slots) is form  # cached for the next step
+    else:
+        forms = [cache.slot_form(s) for s in range(3)]
+        assert all(cache.slot_form(s) is forms[s] for s in range(3))
+
+    # Writing the stacks without invalidate: the torch path still uses what it prepared.
+    rewrite_slot(w, 1, 16, seed=7)
+    y_stale = case.y0.clone()
+    add_lora_torch(y_stale, case.x, w, case.meta)
+    torch.testing.assert_close(y_stale, y)
+
+    version = cache.version
+    w.invalidate(1)
+    assert cache.version == version + 1
+    if shuffled:
+        new_form = cache.group_form(group.slots)  # slot 1 is in the group: rebuilt
+        assert new_form is not form and new_form is not None and new_form.rank == 16
+    else:
+        assert cache.slot_form(0) is forms[0] and cache.slot_form(2) is forms[2]
+        assert cache.slot_form(1) is not forms[1]
+    y_new = case.y0.clone()
+    add_lora_torch(y_new, case.x, w, case.meta)
+    torch.testing.assert_close(y_new, naive_add_lora(case))  # naive reads the new slot 1
+    assert not torch.allclose(y_new, y)
+
+
+def test_group_cache_is_bounded() -> None:
+    case = make_case([0, 1, 0, 2, 3, 1], [4, 4, 4, 4], 8, 16, [16])
+    cache = case.weights.cache
+    for key in [(0, 1), (1, 2), (2, 3), (0, 3)]:
+        cache.group_form(key)
+    assert len(cache._groups) == GROUP_CACHE_SIZE
+    assert list(cache._groups) == [(2, 3), (0, 3)]  # least recently used dropped

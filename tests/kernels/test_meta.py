@@ -73,11 +73,12 @@ def test_torch_plan_padded_layout() -> None:
     meta = LoRAKernelMeta(max_num_tokens=16, max_loras=4)
     meta.prepare(torch.tensor([1, -1, 3, 1, 1, 3]))
     (group,) = meta.torch_plan().groups
-    assert group.slots == (1, 3) and group.slot_index.tolist() == [1, 3]
+    assert group.slots == (1, 3)
     assert group.seg_len == 3 and group.row_start is None
     # slot 1: tokens 0, 3, 4; slot 3: tokens 2, 5, then a pad repeating its first row
     assert group.pad_index.tolist() == [0, 3, 4, 2, 5, 2]
-    assert group.pad_mask.view(-1).tolist() == [1, 1, 1, 1, 1, 0]
+    assert group.real_pos is not None and group.real_pos.tolist() == [0, 1, 2, 3, 4]
+    assert group.real_rows.tolist() == [0, 3, 4, 2, 5] and group.real_row_start is None
 
 
 def test_torch_plan_row_slices() -> None:
@@ -88,8 +89,12 @@ def test_torch_plan_row_slices() -> None:
     assert meta.torch_plan().groups[0].row_start is None
     meta.prepare(torch.tensor([-1, 0, 0, 2, 2, -1]))  # base tokens around a sorted block
     assert meta.torch_plan().groups[0].row_start == 1
-    meta.prepare(torch.tensor([0, 0, 2, 2, 2]))  # unequal segments: pads
-    assert meta.torch_plan().groups[0].row_start is None
+    meta.prepare(torch.tensor([-1, 0, 0, 2, 2, 2]))  # unequal segments: pads
+    (group,) = meta.torch_plan().groups
+    assert group.row_start is None
+    # the real rows, pads dropped, are still a slice of the batch
+    assert group.real_pos is not None and group.real_pos.tolist() == [0, 1, 3, 4, 5]
+    assert group.real_row_start == 1 and group.real_rows.tolist() == [1, 2, 3, 4, 5]
 
 
 def test_long_prefill_gets_its_own_group() -> None:
@@ -145,3 +150,17 @@ def test_constructor_validates() -> None:
         LoRAKernelMeta(max_num_tokens=8, max_loras=0)
     with pytest.raises(ValueError, match="max_num_tokens"):
         LoRAKernelMeta(max_num_tokens=0, max_loras=2)
+
+
+def test_segment_rows_when_tokens_are_grouped() -> None:
+    meta = LoRAKernelMeta(max_num_tokens=16, max_loras=4)
+    meta.prepare(torch.tensor([-1, 0, 0, 2, 2, 2, -1]))  # runs of rows, base rows around them
+    assert meta.seg_row_list == [1, 3]
+    meta.prepare(torch.tensor([0, 2, 0, 3]))  # slot 0 is split by a slot-2 row
+    assert meta.seg_row_list == [None, 1, 3]
+    meta.prepare(torch.tensor([3, 3, 3, 1]))  # not in slot order, each slot still one run
+    assert meta.active_slot_list == [1, 3] and meta.seg_row_list == [3, 0]
+    meta.prepare(torch.tensor([1] * 16))  # the whole batch, at max_num_tokens
+    assert meta.seg_row_list == [0]
+    meta.prepare(torch.full((3,), -1))
+    assert meta.seg_row_list == []

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from loraplex import LoRARequest, SamplingParams
-from loraplex.lora.adapter import AdapterError
 from loraplex.llm import LLM
+from loraplex.lora.adapter import AdapterError
 from tests.conftest import make_tiny_model
 from tests.lora.test_lora_equivalence import make_adapter
 
@@ -108,3 +108,28 @@ def test_bad_adapter_refused_with_its_error(env: tuple[str, list[str]], tmp_path
     with pytest.raises(AdapterError) as err:
         llm.add_lora(LoRARequest("missing", str(tmp_path / "nope")))
     assert err.value.code == "missing_file"
+
+
+def test_slot_reload_drops_prepared_weights(env: tuple[str, list[str]]) -> None:
+    """One slot serves a0, then a1, then a0 again: each load rewrites the slot and drops what the
+    LoRA kernels prepared from it, so every output is the one a fresh engine gives."""
+    model_dir, adapters = env
+    names = ["a0", "a1", "a0"]
+    llm = LLM(model_dir, max_loras=1, max_model_len=64)
+    mgr = llm.llm_engine.core.runner.lora
+    assert mgr is not None
+    ours, versions = [], []
+    for name in names:
+        req = LoRARequest(name, adapters[int(name[1])])
+        ours.append(llm.generate([[5, 6, 7]], P, lora_request=req, use_tqdm=False))
+        layer = mgr.layers[0][1]
+        assert layer.weights is not None
+        versions.append(layer.weights.cache.version)
+    assert mgr.stats.slot_loads == 3
+    assert versions[0] < versions[1] < versions[2]
+    for name, out in zip(names, ours, strict=True):
+        fresh = LLM(model_dir, max_model_len=64).generate(
+            [[5, 6, 7]], P, lora_request=LoRARequest(name, adapters[int(name[1])]), use_tqdm=False
+        )
+        assert out[0].outputs[0].token_ids == fresh[0].outputs[0].token_ids, name
+    assert ours[0][0].outputs[0].token_ids != ours[1][0].outputs[0].token_ids

