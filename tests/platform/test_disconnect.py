@@ -15,7 +15,7 @@ from tests.platform.fakes import FakeEngineClient
 pytestmark = pytest.mark.anyio
 
 
-def _scope(path: str) -> dict[str, Any]:
+def _scope(path: str, extra_headers: tuple[tuple[bytes, bytes], ...] = ()) -> dict[str, Any]:
     return {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.4"},
@@ -26,14 +26,18 @@ def _scope(path: str) -> dict[str, Any]:
         "raw_path": path.encode(),
         "query_string": b"",
         "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+        "headers": [(b"content-type", b"application/json"), (b"host", b"test"), *extra_headers],
         "client": ("127.0.0.1", 5000),
         "server": ("test", 80),
     }
 
 
 async def _drive_until_disconnect(
-    app: Any, path: str, body: dict[str, Any], leave_when: Any
+    app: Any,
+    path: str,
+    body: dict[str, Any],
+    leave_when: Any,
+    extra_headers: tuple[tuple[bytes, bytes], ...] = (),
 ) -> list[dict[str, Any]]:
     """Runs one request through ``app``; the client disconnects once ``leave_when()``."""
     inbox = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
@@ -51,13 +55,13 @@ async def _drive_until_disconnect(
             raise OSError("the client is gone")
         sent.append(message)
 
-    task = asyncio.ensure_future(app(_scope(path), receive, send))
-    for _ in range(1000):
+    task = asyncio.ensure_future(app(_scope(path, extra_headers), receive, send))
+    for _ in range(2000):
         if leave_when(sent):
             break
         await asyncio.sleep(0.005)
     gone.set()
-    await asyncio.wait_for(task, timeout=5)
+    await asyncio.wait_for(task, timeout=10)
     return sent
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import json
 from collections import Counter
 from typing import Any
 
@@ -26,58 +25,18 @@ from loraplex.platform.request_log import RequestRecord
 from loraplex.platform.usage import DateRange, UsageRecorder, apply_retention
 from tests.platform.request_hooks import count_engine_tokens, wire
 from tests.platform.tenancy_env import ADMIN_TOKEN, bearer
+from tests.platform.test_disconnect import _drive_until_disconnect
 
 pytestmark = pytest.mark.anyio
 
 MODEL = "tiny-chat"
 
 
-def _scope(path: str, token: str) -> dict[str, Any]:
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.4"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [
-            (b"content-type", b"application/json"),
-            (b"host", b"test"),
-            (b"authorization", f"Bearer {token}".encode()),
-        ],
-        "client": ("127.0.0.1", 5000),
-        "server": ("test", 80),
-    }
-
-
 async def _leave_early(app: Any, path: str, token: str, body: dict[str, Any], leave: Any) -> int:
     """One request through ``app`` whose client disconnects once ``leave(sent)``; returns the
     number of response body chunks it got."""
-    inbox = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
-    gone = asyncio.Event()
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        if inbox:
-            return inbox.pop()
-        await gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        if gone.is_set():
-            raise OSError("the client is gone")
-        sent.append(message)
-
-    task = asyncio.ensure_future(app(_scope(path, token), receive, send))
-    for _ in range(2000):
-        if leave(sent):
-            break
-        await asyncio.sleep(0.005)
-    gone.set()
-    await asyncio.wait_for(task, timeout=10)
+    auth = ((b"authorization", f"Bearer {token}".encode()),)
+    sent = await _drive_until_disconnect(app, path, body, leave, auth)
     return sum(1 for m in sent if m.get("body"))
 
 
