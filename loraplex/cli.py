@@ -29,7 +29,8 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see: {self.prog} --help)")
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1 (shared with ``loraplex admin``)."""
     try:
         value = int(text)
     except ValueError:
@@ -90,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="local Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)",
     )
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    gen.add_argument("--max-tokens", type=_positive, default=64)
+    gen.add_argument("--max-tokens", type=positive_int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
@@ -128,14 +129,14 @@ def _add_throughput(p: argparse.ArgumentParser) -> None:
         "(default: the embedded SmolLM2-135M-Instruct)",
     )
     w = p.add_argument_group("workload")
-    w.add_argument("--num-requests", type=_positive, default=64)
-    w.add_argument("--min-output", type=_positive, default=16, help="shortest output (tokens)")
-    w.add_argument("--max-output", type=_positive, default=128, help="longest output (tokens)")
-    w.add_argument("--min-prompt-words", type=_positive, default=20)
-    w.add_argument("--max-prompt-words", type=_positive, default=60)
+    w.add_argument("--num-requests", type=positive_int, default=64)
+    w.add_argument("--min-output", type=positive_int, default=16, help="shortest output (tokens)")
+    w.add_argument("--max-output", type=positive_int, default=128, help="longest output (tokens)")
+    w.add_argument("--min-prompt-words", type=positive_int, default=20)
+    w.add_argument("--max-prompt-words", type=positive_int, default=60)
     w.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--repeats", type=_positive, default=3, help="alternating runs per system")
+    w.add_argument("--repeats", type=positive_int, default=3, help="alternating runs per system")
     a = p.add_argument_group(
         "multi-adapter mode",
         "--num-adapters N > 0 spreads the workload over N random LoRA adapters and compares "
@@ -154,34 +155,36 @@ def _add_throughput(p: argparse.ArgumentParser) -> None:
         help="how requests pick adapters: uniform, or P(k) ~ (k+1)^-alpha",
     )
     a.add_argument("--powerlaw-alpha", type=_non_negative_float, default=1.0)
-    a.add_argument("--adapter-rank", type=_positive, default=8, help="rank of the random adapters")
     a.add_argument(
-        "--max-loras", type=_positive, default=8, help="engine device slots: min(N, this)"
+        "--adapter-rank", type=positive_int, default=8, help="rank of the random adapters"
     )
-    a.add_argument("--max-lora-rank", type=_positive, default=64, help="engine slot rank")
+    a.add_argument(
+        "--max-loras", type=positive_int, default=8, help="engine device slots: min(N, this)"
+    )
+    a.add_argument("--max-lora-rank", type=positive_int, default=64, help="engine slot rank")
     a.add_argument(
         "--peft-mixed-batch-size",
-        type=_positive,
+        type=positive_int,
         default=32,
         help="batch size of the PEFT mixed-adapter baseline",
     )
     h = p.add_argument_group("Hugging Face / PEFT baselines")
     h.add_argument(
-        "--hf-batch-size", type=_positive, default=8, help="static batch size (per adapter)"
+        "--hf-batch-size", type=positive_int, default=8, help="static batch size (per adapter)"
     )
     h.add_argument(
         "--hf-max-requests",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="run the baselines on about N requests only (with adapters: whole batches) "
         "and take their rate",
     )
     h.add_argument("--skip-hf", action="store_true", help="run loraplex only")
     e = p.add_argument_group("loraplex engine")
-    e.add_argument("--block-size", type=_positive, default=16)
-    e.add_argument("--max-num-seqs", type=_positive, default=64)
-    e.add_argument("--max-num-batched-tokens", type=_positive, default=512)
-    e.add_argument("--num-blocks", type=_positive, default=None)
+    e.add_argument("--block-size", type=positive_int, default=16)
+    e.add_argument("--max-num-seqs", type=positive_int, default=64)
+    e.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
+    e.add_argument("--num-blocks", type=positive_int, default=None)
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
     x = p.add_argument_group("experiments and output")
@@ -190,14 +193,14 @@ def _add_throughput(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also profile one loraplex run (torch.profiler, top ops by self CPU time)",
     )
-    x.add_argument("--profile-requests", type=_positive, default=16)
+    x.add_argument("--profile-requests", type=positive_int, default=16)
     x.add_argument(
         "--prefix-cache-test",
         action="store_true",
         help="also measure time to first token with a shared prefix, caching on vs off",
     )
-    x.add_argument("--prefix-len", type=_positive, default=512)
-    x.add_argument("--prefix-repeats", type=_positive, default=5)
+    x.add_argument("--prefix-len", type=positive_int, default=512)
+    x.add_argument("--prefix-repeats", type=positive_int, default=5)
     x.add_argument("--output-dir", default="bench-results")
 
 

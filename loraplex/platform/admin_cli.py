@@ -20,6 +20,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from loraplex.cli import positive_int
 from loraplex.platform import admin_token, tenants
 from loraplex.platform.db import migrate
 from loraplex.platform.db.database import Database
@@ -34,16 +35,6 @@ CLI_ACTOR = "admin (cli)"
 
 class CommandError(Exception):
     """A failure to report in one line (exit 1)."""
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _scopes(text: str) -> list[str]:
@@ -88,10 +79,10 @@ def add_commands(commands: Any, parser_class: type[argparse.ArgumentParser]) -> 
     p = leaf(tenant, "create", "create a tenant")
     p.add_argument("name", metavar="NAME", help="lowercase letters, digits, '-', '_'")
     p.add_argument("--display-name", default="")
-    p.add_argument("--rpm", type=_positive, default=None, help="requests per minute")
-    p.add_argument("--tpm", type=_positive, default=None, help="tokens per minute")
-    p.add_argument("--max-concurrent", type=_positive, default=None, help="concurrent requests")
-    p.add_argument("--max-adapters", type=_positive, default=None, help="adapters it may own")
+    p.add_argument("--rpm", type=positive_int, default=None, help="requests per minute")
+    p.add_argument("--tpm", type=positive_int, default=None, help="tokens per minute")
+    p.add_argument("--max-concurrent", type=positive_int, default=None, help="concurrent requests")
+    p.add_argument("--max-adapters", type=positive_int, default=None, help="adapters it may own")
     leaf(tenant, "list", "list the tenants")
 
     key = group(admin, "key", "tenants' API keys", "key_command")
@@ -102,7 +93,7 @@ def add_commands(commands: Any, parser_class: type[argparse.ArgumentParser]) -> 
         "--scopes", type=_scopes, default=list(tenants.DEFAULT_KEY_SCOPES),
         help=f"comma-separated, from {','.join(tenants.TENANT_SCOPES)} (default: both)",
     )  # fmt: skip
-    p.add_argument("--expires-in-days", type=_positive, default=None, metavar="N")
+    p.add_argument("--expires-in-days", type=positive_int, default=None, metavar="N")
     p = leaf(key, "list", "list TENANT's keys (never their secrets)")
     p.add_argument("tenant", metavar="TENANT")
     p = leaf(key, "revoke", "revoke a key: it is refused from the next request on")
