@@ -38,6 +38,40 @@ class BatchLayout:
         return self.start_positions + self.query_lens  # [B] keys visible to the last query token
 
 
+@dataclass(frozen=True)
+class BatchSplit:
+    """A step's requests split into decodes (one query token) and prefill chunks (host arrays)."""
+
+    qstart: np.ndarray  # [B + 1] first flat-batch row of each request, then T
+    decode_idx: np.ndarray  # [D] request indices of the decodes
+    decode_rows: np.ndarray  # [D] their flat-batch rows
+    decode_seq_lens: np.ndarray  # [D] keys each decode attends to
+    prefill_idx: np.ndarray  # [P] request indices of the prefill chunks
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.qstart[-1])
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.decode_idx)
+
+
+def split_batch(layout: BatchLayout) -> BatchSplit:
+    qlens = layout.query_lens
+    qstart = np.zeros(len(qlens) + 1, dtype=np.int64)
+    np.cumsum(qlens, out=qstart[1:])
+    is_decode = qlens == 1
+    decode_idx = np.flatnonzero(is_decode)
+    return BatchSplit(
+        qstart=qstart,
+        decode_idx=decode_idx,
+        decode_rows=qstart[decode_idx],
+        decode_seq_lens=layout.seq_lens[decode_idx],
+        prefill_idx=np.flatnonzero(~is_decode),
+    )
+
+
 @dataclass
 class AttentionMetadata:
     """What every backend's metadata carries; backends subclass it with their own fields."""
@@ -127,28 +161,12 @@ class TorchPagedAttention:
         kv_cache[:, :, dst] = kv_cache[:, :, src]
 
     def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
+        split = split_batch(layout)
         bs = layout.block_size
-        qlens = layout.query_lens
-        starts = layout.start_positions
-        seq_lens = layout.seq_lens
-        qstart = np.zeros(len(qlens) + 1, dtype=np.int64)
-        np.cumsum(qlens, out=qstart[1:])
-        num_tokens = int(qstart[-1])
-
-        is_decode = qlens == 1
-        decode_idx = np.flatnonzero(is_decode)  # [D] request indices
-        num_decodes = len(decode_idx)
-        decode_rows: torch.Tensor | slice
-        rows = qstart[decode_idx]  # [D] flat-batch rows
-        if num_decodes and rows[-1] - rows[0] == num_decodes - 1:
-            decode_rows = slice(int(rows[0]), int(rows[-1]) + 1)
-        else:
-            decode_rows = torch.from_numpy(rows).to(self.device)
-
-        if num_decodes:
-            d_seq = seq_lens[decode_idx]  # [D]
+        if split.num_decodes:
+            d_seq = split.decode_seq_lens  # [D]
             max_blocks = int((d_seq.max() + bs - 1) // bs)
-            table = layout.block_tables[decode_idx, :max_blocks]  # [D, max_blocks]
+            table = layout.block_tables[split.decode_idx, :max_blocks]  # [D, max_blocks]
             ctx = np.arange(max_blocks * bs, dtype=np.int64)
             allowed = ctx[None, :] < d_seq[:, None]  # [D, ctx] causal: keys at positions <= query's
             decode_tables = torch.from_numpy(table).to(self.device)
@@ -156,9 +174,27 @@ class TorchPagedAttention:
         else:
             decode_tables = torch.zeros((0, 1), dtype=torch.long, device=self.device)
             decode_mask = torch.zeros((0, 1, 1, bs), dtype=self.dtype, device=self.device)
+        return TorchAttentionMetadata(
+            slot_mapping=layout.slot_mapping,
+            num_tokens=split.num_tokens,
+            decode_rows=self._decode_rows(split.decode_rows),
+            num_decodes=split.num_decodes,
+            decode_block_tables=decode_tables,
+            decode_mask=decode_mask,
+            prefills=self._prefill_seqs(layout, split),
+        )
 
+    def _decode_rows(self, rows: np.ndarray) -> torch.Tensor | slice:
+        """The decode rows as a slice when they are a run of the flat batch, else a tensor."""
+        if len(rows) and rows[-1] - rows[0] == len(rows) - 1:
+            return slice(int(rows[0]), int(rows[-1]) + 1)
+        return torch.from_numpy(rows).to(self.device)
+
+    def _prefill_seqs(self, layout: BatchLayout, split: BatchSplit) -> list[PrefillSeq]:
+        bs = layout.block_size
+        starts, qlens, seq_lens = layout.start_positions, layout.query_lens, layout.seq_lens
         prefills: list[PrefillSeq] = []
-        for i in np.flatnonzero(~is_decode).tolist():
+        for i in split.prefill_idx.tolist():
             start, qlen, slen = int(starts[i]), int(qlens[i]), int(seq_lens[i])
             n = (slen + bs - 1) // bs
             blocks = torch.from_numpy(layout.block_tables[i, :n]).to(self.device)  # [n]
@@ -167,17 +203,20 @@ class TorchPagedAttention:
                 q_pos = torch.arange(start, slen)  # [q_len]
                 k_pos = torch.arange(slen)  # [seq_len]
                 mask = self._additive(k_pos[None, :] <= q_pos[:, None])  # [q_len, seq_len]
-            prefills.append(PrefillSeq(int(qstart[i]), int(qstart[i]) + qlen, start, blocks, mask))
+            row = int(split.qstart[i])
+            prefills.append(PrefillSeq(row, row + qlen, start, blocks, mask))
+        return prefills
 
-        return TorchAttentionMetadata(
-            slot_mapping=layout.slot_mapping,
-            num_tokens=num_tokens,
-            decode_rows=decode_rows,
-            num_decodes=num_decodes,
-            decode_block_tables=decode_tables,
-            decode_mask=decode_mask,
-            prefills=prefills,
-        )
+    @staticmethod
+    def write_kv(
+        k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's k/v at their slots; returns the layer's (k_cache, v_cache)."""
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, H_kv, D] each
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+        return k_cache, v_cache
 
     def forward(
         self,
@@ -190,10 +229,7 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchAttentionMetadata)
         num_tokens = q.shape[0]
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, H_kv, D] each
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+        k_cache, v_cache = self.write_kv(k, v, kv_cache, metadata)
 
         if metadata.num_decodes == num_tokens and not metadata.prefills:
             return self._decode(q, k_cache, v_cache, metadata)  # all decodes: no scatter needed
@@ -236,15 +272,18 @@ class TorchPagedAttention:
         k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, Dh]
         v_cache: torch.Tensor,
     ) -> torch.Tensor:  # [q_len, H, Dh]
-        qs = q[seq.token_start : seq.token_end].transpose(0, 1)  # [H, q_len, Dh]
+        # 4-D inputs (a batch of one): on the CPU, 3-D ones take SDPA's slow math path
+        qs = q[seq.token_start : seq.token_end].transpose(0, 1)[None]  # [1, H, q_len, Dh]
         if seq.mask is None:  # first chunk: every key is in this step's k/v
-            ks = k[seq.token_start : seq.token_end].transpose(0, 1)  # [H_kv, q_len, Dh]
-            vs = v[seq.token_start : seq.token_end].transpose(0, 1)
+            ks = k[seq.token_start : seq.token_end].transpose(0, 1)[None]  # [1, H_kv, q_len, Dh]
+            vs = v[seq.token_start : seq.token_end].transpose(0, 1)[None]
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         else:
             seq_len = seq.mask.shape[1]
             ks = k_cache.index_select(0, seq.blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
             vs = v_cache.index_select(0, seq.blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
             # ks, vs: [H_kv, S, Dh]
-            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seq.mask, enable_gqa=True)
-        return out.transpose(0, 1)  # [q_len, H, Dh]
+            out = F.scaled_dot_product_attention(
+                qs, ks[None], vs[None], attn_mask=seq.mask[None, None], enable_gqa=True
+            )
+        return out[0].transpose(0, 1)  # [q_len, H, Dh]

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from loraplex.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
-from loraplex.engine.attention import BatchLayout, TorchPagedAttention
+from loraplex.engine.attention import BatchLayout
+from loraplex.engine.attention_native import make_attention_backend
 from loraplex.engine.models.llama import LlamaForCausalLM
 from loraplex.engine.models.loader import (
     ModelSpec,
@@ -62,7 +63,7 @@ class ModelRunner:
                 f"({self._spec.max_position_embeddings})"
             )
         self.block_size = cache_config.block_size
-        self.attn = TorchPagedAttention(self.device, dtype)
+        self.attn = make_attention_backend(self.device, dtype)
         self.sampler = Sampler(self._spec.vocab_size, self.device)
         self.kv_cache: torch.Tensor | None = None  # [layers, 2, num_blocks, block_size, H_kv, Dh]
         self.lora: LoRAManager | None = None

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.engine.records import TokenLogprobs
+from loraplex.kernels.cpu_ops import argmax_rows
 from loraplex.sampling_params import SamplingParams
 
 
@@ -81,9 +82,7 @@ class Sampler:
 
         greedy = [p.temperature < _GREEDY_BELOW for p in params]
         # All greedy: a single argmax, no softmax, no sort, no noise.
-        sampled = (
-            logits.argmax(dim=-1) if all(greedy) else self._sample(logits, rows, greedy)
-        )  # [S]
+        sampled = argmax_rows(logits) if all(greedy) else self._sample(logits, rows, greedy)  # [S]
 
         packed = None
         if raw_logprobs is not None:
@@ -153,7 +152,7 @@ class Sampler:
     ) -> torch.Tensor:
         dev, V, S = logits.device, self.vocab_size, len(rows)
         params = [r.params for r in rows]
-        greedy_tokens = logits.argmax(dim=-1) if any(greedy) else None  # [S]
+        greedy_tokens = argmax_rows(logits) if any(greedy) else None  # [S]
 
         # Greedy rows get neutral settings so they never trigger a sort; their draw is discarded.
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]

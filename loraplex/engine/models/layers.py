@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraplex.kernels import cpu_ops, native
+
 
 class Linear(nn.Module):
     """``y = x @ W.T (+ b)`` with ``W [out_features, in_features]`` (a view of ``W.T``'s storage),
@@ -111,7 +113,17 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            return cpu_ops.rms_norm(x, self.weight, self.eps)
+        return self._reduced_precision(x)
+
+    def add_forward(self, delta: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual += delta`` (in place), then the norm of the sum: the fused residual add."""
+        if residual.dtype == torch.float32:
+            return cpu_ops.add_rms_norm(delta, residual, self.weight, self.eps)
+        residual.add_(delta)
+        return self._reduced_precision(residual)
+
+    def _reduced_precision(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -189,13 +201,27 @@ class RotaryEmbedding(nn.Module):
             "sin_cache", freqs.sin().to(dtype=dtype, device=device), persistent=False
         )
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache.index_select(0, positions).unsqueeze(1)  # [T, 1, head_dim // 2]
-        sin = self.sin_cache.index_select(0, positions).unsqueeze(1)  # [T, 1, head_dim // 2]
-        return cos, sin
+    def batch(self, positions: torch.Tensor) -> RopeBatch:
+        """The rotation for one step's ``positions [T]``, shared by every layer."""
+        return RopeBatch(self, positions)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rope (Hugging Face / NeoX layout) on ``x [T, H, head_dim]``."""
-    x1, x2 = x.chunk(2, dim=-1)  # [T, H, head_dim // 2] each
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [T, H, head_dim]
+class RopeBatch:
+    """Applies rope at one step's positions: the native kernel in place where it runs, else torch
+    with cos/sin gathered once per step (at the first layer that needs them)."""
+
+    def __init__(self, emb: RotaryEmbedding, positions: torch.Tensor) -> None:
+        self.emb = emb
+        self.positions = positions  # [T] int64
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Rope on ``x [T, H, head_dim]``; may rotate x in place, returns the result."""
+        emb = self.emb
+        if native.usable(x, emb.cos_cache) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+            return cpu_ops.rope_(x, self.positions, emb.cos_cache, emb.sin_cache)
+        if self._cos_sin is None:
+            cos = emb.cos_cache.index_select(0, self.positions).unsqueeze(1)  # [T, 1, Dh // 2]
+            sin = emb.sin_cache.index_select(0, self.positions).unsqueeze(1)
+            self._cos_sin = (cos, sin)
+        return cpu_ops.rope_reference(x, *self._cos_sin)

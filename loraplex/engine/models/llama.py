@@ -20,10 +20,11 @@ from loraplex.engine.models.layers import (
     Linear,
     PackedLinear,
     RMSNorm,
+    RopeBatch,
     RotaryEmbedding,
-    apply_rope,
     rope_parameters,
 )
+from loraplex.kernels import cpu_ops
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, 1, head_dim // 2]
-        sin: torch.Tensor,
+        rope: RopeBatch,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         if self.backend is None or self.kv_cache is None:
@@ -93,7 +93,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)  # [T, H + H_kv, Dh]
-        qk = apply_rope(qk, cos, sin)  # one rope call for q and k
+        qk = rope.apply(qk)  # one rope call for q and k
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, Dh], [T, H_kv, Dh]
         out = self.backend.forward(self.layer_idx, q, k, v, self.kv_cache, metadata)  # [T, H, Dh]
         return self.o_proj(out.reshape(t, self.q_size))  # [T, hidden]
@@ -113,9 +113,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, cfg.hidden_size, opts.mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2 * inter]
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, inter] each
-        return self.down_proj(F.silu(gate) * up)  # [T, hidden]
+        gate_up = self.gate_up_proj(x)  # [T, 2 * inter] = gate | up
+        return self.down_proj(cpu_ops.silu_mul(gate_up, self.intermediate_size))  # [T, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -134,10 +133,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, metadata)  # [T, hidden]
-        return h + self.mlp(self.post_attention_layernorm(h))  # [T, hidden]
+        self,
+        residual: torch.Tensor,  # [T, hidden], updated in place
+        delta: torch.Tensor | None,  # [T, hidden] the previous layer's MLP output, not yet added
+        rope: RopeBatch,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden] this layer's MLP output, for the next residual add
+        """``residual += delta; residual += attn(norm(residual)); return mlp(norm(residual))``.
+
+        The MLP output is returned unadded so that the next norm fuses the add (one pass).
+        """
+        if delta is None:
+            x = self.input_layernorm(residual)
+        else:
+            x = self.input_layernorm.add_forward(delta, residual)
+        attn = self.self_attn(x, rope, metadata)  # [T, hidden]
+        x = self.post_attention_layernorm.add_forward(attn, residual)
+        return self.mlp(x)
 
 
 class DecoderModel(nn.Module):
@@ -163,11 +175,14 @@ class DecoderModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        cos, sin = self.rotary_emb.lookup(positions)  # once per step, shared by all layers
-        h = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary_emb.batch(positions)  # once per step, shared by all layers
+        residual = self.embed_tokens(input_ids)  # [T, hidden], a new tensor: updated in place
+        delta: torch.Tensor | None = None
         for layer in self.layers:
-            h = layer(h, cos, sin, metadata)
-        return self.norm(h)  # [T, hidden]
+            delta = layer(residual, delta, rope, metadata)
+        if delta is None:
+            return self.norm(residual)
+        return self.norm.add_forward(delta, residual)  # [T, hidden]
 
 
 class LlamaForCausalLM(nn.Module):

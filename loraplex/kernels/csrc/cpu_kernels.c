@@ -1,0 +1,295 @@
+/* loraplex's native CPU kernels (fp32), built at run time by loraplex/kernels/native.py.
+ *
+ * Each kernel has a pure-torch reference in the package and is tested against it. They exist
+ * because on the CPU the torch path pays per-op costs that dominate at decode-sized batches:
+ * a paged gather of every sequence's keys padded to the longest one, a masked SDPA call, and
+ * about twenty small matmuls and copies per layer for batched LoRA. Here each is one pass.
+ *
+ * Threads: OpenMP, the same runtime torch uses (libgomp.so.1 is loaded once per process).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define LP_MAX_GROUP 64   /* query heads per KV head */
+#define LP_MAX_RANK 1024  /* LoRA rank */
+
+/* exp(x) in a form the compiler vectorizes (libm's expf is a scalar call): Cephes' range
+ * reduction x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial for e^r, and 2^n built in the
+ * exponent bits. Relative error within ~2 ulp over [-87, 88]; NaN stays NaN. */
+static inline float lp_exp(float x) {
+    x = x > 88.0f ? 88.0f : x;
+    x = x < -87.0f ? -87.0f : x;
+    /* round to nearest: adding 1.5 * 2^23 leaves no fraction bits */
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union {
+        int32_t i;
+        float f;
+    } scale = {.i = ((int32_t)n + 127) << 23};
+    return p * scale.f;
+}
+
+static inline float lp_dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+static inline void lp_axpy(float *restrict y, float alpha, const float *restrict x, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) y[i] += alpha * x[i];
+}
+
+/* Decode attention over a paged KV cache: one query token per sequence.
+ *
+ * q, out      row r of the flat batch at q + r * q_row_stride: [num_heads, head_dim] contiguous
+ * rows        [n] the flat-batch row of sequence i
+ * k/v_cache   [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+ * block_tables [n, width] the blocks of sequence i; seq_lens [n] its keys (all visible)
+ * Query head h reads KV head h / (num_heads / num_kv_heads), as Hugging Face's repeat_kv does.
+ * Returns 0, or -1 when an argument is out of range (nothing written).
+ */
+int lp_paged_decode_attention(const float *q, int64_t q_row_stride, const int64_t *rows, int64_t n,
+                              const float *k_cache, const float *v_cache,
+                              const int64_t *block_tables, int64_t width, const int64_t *seq_lens,
+                              int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t head_dim, float scale, float *out, int64_t out_row_stride,
+                              int num_threads) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return -1;
+    const int64_t group = num_heads / num_kv_heads;
+    if (group > LP_MAX_GROUP || block_size <= 0 || head_dim <= 0) return -1;
+    int64_t max_len = 1;
+    for (int64_t i = 0; i < n; i++) {
+        if (seq_lens[i] < 1 || seq_lens[i] > width * block_size) return -1;
+        if (seq_lens[i] > max_len) max_len = seq_lens[i];
+    }
+    const int64_t tok_stride = num_kv_heads * head_dim; /* one slot of one block */
+    const int64_t blk_stride = block_size * tok_stride;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * max_len));
+        float *acc = (float *)malloc(sizeof(float) * (size_t)(group * head_dim));
+        if (scores == NULL || acc == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for collapse(2) schedule(dynamic, 4)
+        for (int64_t i = 0; i < n; i++) {
+            for (int64_t g = 0; g < num_kv_heads; g++) {
+                if (scores == NULL || acc == NULL) continue;
+                const int64_t len = seq_lens[i];
+                const int64_t *table = block_tables + i * width;
+                const float *qg = q + rows[i] * q_row_stride + g * group * head_dim;
+                float mx[LP_MAX_GROUP], inv[LP_MAX_GROUP];
+                for (int64_t h = 0; h < group; h++) mx[h] = -INFINITY;
+                /* scores[h, p] = scale * q_h . k_p */
+                for (int64_t p0 = 0; p0 < len; p0 += block_size) {
+                    const float *kb = k_cache + table[p0 / block_size] * blk_stride + g * head_dim;
+                    const int64_t m = len - p0 < block_size ? len - p0 : block_size;
+                    for (int64_t o = 0; o < m; o++) {
+                        const float *kp = kb + o * tok_stride;
+                        for (int64_t h = 0; h < group; h++) {
+                            const float s = scale * lp_dot(qg + h * head_dim, kp, head_dim);
+                            scores[h * max_len + p0 + o] = s;
+                            if (s > mx[h]) mx[h] = s;
+                        }
+                    }
+                }
+                for (int64_t h = 0; h < group; h++) {
+                    float *sh = scores + h * max_len;
+                    float sum = 0.0f;
+                    for (int64_t p = 0; p < len; p++) {
+                        sh[p] = lp_exp(sh[p] - mx[h]);
+                        sum += sh[p];
+                    }
+                    inv[h] = 1.0f / sum;
+                }
+                /* out_h = sum_p softmax_p * v_p */
+                for (int64_t e = 0; e < group * head_dim; e++) acc[e] = 0.0f;
+                for (int64_t p0 = 0; p0 < len; p0 += block_size) {
+                    const float *vb = v_cache + table[p0 / block_size] * blk_stride + g * head_dim;
+                    const int64_t m = len - p0 < block_size ? len - p0 : block_size;
+                    for (int64_t o = 0; o < m; o++) {
+                        const float *vp = vb + o * tok_stride;
+                        for (int64_t h = 0; h < group; h++)
+                            lp_axpy(acc + h * head_dim, scores[h * max_len + p0 + o], vp, head_dim);
+                    }
+                }
+                float *og = out + rows[i] * out_row_stride + g * group * head_dim;
+                for (int64_t h = 0; h < group; h++) {
+#pragma omp simd
+                    for (int64_t d = 0; d < head_dim; d++)
+                        og[h * head_dim + d] = acc[h * head_dim + d] * inv[h];
+                }
+            }
+        }
+        free(scores);
+        free(acc);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Batched multi-LoRA on a flat batch, every token with its own adapter slot (-1: none):
+ *
+ *   y[t, off_j : off_j + n_j] += scales[s] * (x[t] @ A_j[s, :r].T) @ B_j[s, :r]     s = slots[t]
+ *
+ * for every slice j (one for a plain projection, 3 for q|k|v, 2 for gate|up), r = ranks[s].
+ * x [T, in] rows x_stride apart; y [T, *] rows y_stride apart.
+ * a_stacks[j] [max_loras, max_rank, in] and b_stacks[j] [max_loras, max_rank, n_j], contiguous.
+ * Runs of up to LP_LORA_TILE consecutive tokens of one slot form a tile, so that each row of A
+ * and B is read once per tile (from L1) rather than once per token; tiles are split between
+ * threads. Base-model tokens are never read or written.
+ */
+#define LP_LORA_TILE 8
+
+int lp_lora_add(float *y, int64_t y_stride, const float *x, int64_t x_stride, int64_t num_tokens,
+                int64_t in_features, const int32_t *slots, int64_t max_loras, int64_t max_rank,
+                const int32_t *ranks, const float *scales, int64_t num_slices,
+                const float *const *a_stacks, const float *const *b_stacks, const int64_t *widths,
+                const int64_t *offsets, int num_threads) {
+    if (max_rank > LP_MAX_RANK || num_tokens <= 0) return max_rank > LP_MAX_RANK ? -1 : 0;
+    int64_t *tiles = (int64_t *)malloc(sizeof(int64_t) * (size_t)num_tokens); /* tile starts */
+    if (tiles == NULL) return -1;
+    int64_t num_tiles = 0;
+    for (int64_t t = 0; t < num_tokens;) {
+        const int32_t s = slots[t];
+        if (s >= max_loras) {
+            free(tiles);
+            return -1;
+        }
+        int64_t e = t + 1;
+        while (e < num_tokens && e - t < LP_LORA_TILE && slots[e] == s) e++;
+        if (s >= 0 && ranks[s] > 0) tiles[num_tiles++] = t;
+        t = e;
+    }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t k = 0; k < num_tiles; k++) {
+        const int64_t t0 = tiles[k];
+        const int32_t s = slots[t0];
+        int64_t m = 1;
+        while (m < LP_LORA_TILE && t0 + m < num_tokens && slots[t0 + m] == s) m++;
+        const int64_t r = ranks[s];
+        float h[LP_LORA_TILE][LP_MAX_RANK];
+        for (int64_t j = 0; j < num_slices; j++) {
+            const int64_t n = widths[j];
+            const float *a = a_stacks[j] + s * max_rank * in_features;
+            const float *b = b_stacks[j] + s * max_rank * n;
+            for (int64_t i = 0; i < r; i++)
+                for (int64_t u = 0; u < m; u++)
+                    h[u][i] = scales[s] * lp_dot(a + i * in_features, x + (t0 + u) * x_stride,
+                                                 in_features);
+            for (int64_t i = 0; i < r; i++)
+                for (int64_t u = 0; u < m; u++)
+                    lp_axpy(y + (t0 + u) * y_stride + offsets[j], h[u][i], b + i * n, n);
+        }
+    }
+    free(tiles);
+    return 0;
+}
+
+/* ---- elementwise kernels of the decoder layer ---------------------------------------------- */
+
+#define LP_PAR_MIN 32768 /* elements below which a kernel runs on one thread (fork cost) */
+
+/* residual += delta (when delta != NULL), then out = residual * rsqrt(mean(residual^2) + eps) * w
+ * over rows of width dim; every pointer addresses row 0 and rows are *_stride floats apart. */
+int lp_add_rms_norm(float *residual, int64_t r_stride, const float *delta, int64_t d_stride,
+                    const float *weight, float eps, float *out, int64_t o_stride, int64_t rows,
+                    int64_t dim, int num_threads) {
+    if (dim <= 0) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * dim >= LP_PAR_MIN)
+    for (int64_t t = 0; t < rows; t++) {
+        float *h = residual + t * r_stride;
+        if (delta != NULL) {
+            const float *d = delta + t * d_stride;
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) h[i] += d[i];
+        }
+        const float ms = lp_dot(h, h, dim) / (float)dim;
+        const float rstd = 1.0f / sqrtf(ms + eps);
+        float *o = out + t * o_stride;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) o[i] = (h[i] * rstd) * weight[i];
+    }
+    return 0;
+}
+
+/* Rotate-half (NeoX / Hugging Face) rotary embedding, in place, on the first `heads` heads of each
+ * row: x [rows, heads, head_dim] with rows `row_stride` floats apart, heads contiguous.
+ * cos/sin [max_pos, head_dim / 2]; positions [rows]. */
+int lp_rope_neox(float *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,
+                 const int64_t *positions, const float *cos_t, const float *sin_t, int64_t max_pos,
+                 int num_threads) {
+    const int64_t half = head_dim / 2;
+    if (head_dim % 2 != 0) return -1;
+    for (int64_t t = 0; t < rows; t++)
+        if (positions[t] < 0 || positions[t] >= max_pos) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (rows * heads * head_dim >= LP_PAR_MIN)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *c = cos_t + positions[t] * half;
+        const float *s = sin_t + positions[t] * half;
+        for (int64_t h = 0; h < heads; h++) {
+            float *x1 = x + t * row_stride + h * head_dim;
+            float *x2 = x1 + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+    return 0;
+}
+
+/* out[t, i] = silu(gu[t, i]) * gu[t, inter + i]: the gated MLP's activation on gate|up rows. */
+int lp_silu_mul(const float *gate_up, int64_t gu_stride, int64_t rows, int64_t inter, float *out,
+                int64_t o_stride, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * inter >= LP_PAR_MIN)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *g = gate_up + t * gu_stride;
+        const float *u = g + inter;
+        float *o = out + t * o_stride;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + lp_exp(-g[i])) * u[i];
+    }
+    return 0;
+}
+
+/* out[t] = the first index of the largest value of row t (the first NaN, if any, like torch). */
+int lp_argmax_rows(const float *x, int64_t stride, int64_t rows, int64_t cols, int64_t *out,
+                   int num_threads) {
+    if (cols <= 0) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * cols >= LP_PAR_MIN)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *r = x + t * stride;
+        int64_t best = 0;
+        float bv = r[0];
+        if (bv == bv) {
+            for (int64_t i = 1; i < cols; i++) {
+                const float v = r[i];
+                if (v > bv) {
+                    bv = v;
+                    best = i;
+                } else if (v != v) {
+                    best = i;
+                    break;
+                }
+            }
+        }
+        out[t] = best;
+    }
+    return 0;
+}
