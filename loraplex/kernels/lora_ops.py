@@ -17,16 +17,23 @@
     ``index_add_``); a long prefill segment gets a group of its own, a slice of x and y. The
     group's stacked A/B stay cached while the group's slots and their contents are unchanged.
 
-Either way base-model rows are never read or written.
+* ``native`` (default on the CPU in fp32 when loraplex's C kernels are built, see
+  ``loraplex.kernels.native``): ``lp_lora_add`` in ``csrc/cpu_kernels.c``, one call per layer
+  for all of the step's tokens, each at its own slot and rank, in tiles of up to 8 tokens of one
+  slot. ``_native_pays`` sends the cases the torch path does faster (one or two row runs, ranks
+  above ``NATIVE_MAX_RANK``) to the torch path.
+
+Every path leaves base-model rows unread and unwritten.
 
 Prepared weights are dropped by ``LoRALayerWeights.invalidate(slot)``, which every write into a
 slot must call (``LoRALinear.set_slot`` does).
 
-``LORAPLEX_LORA_BACKEND=torch|triton`` forces a backend; any other value is an error.
+``LORAPLEX_LORA_BACKEND=torch|triton|native`` forces a backend; any other value is an error.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -34,11 +41,12 @@ from typing import Literal, get_args
 
 import torch
 
+from loraplex.kernels import native
 from loraplex.kernels.lora_expand import lora_expand
 from loraplex.kernels.lora_shrink import HAS_TRITON, check_stacks, lora_shrink
 from loraplex.kernels.meta import LoRAKernelMeta, SegmentGroup
 
-LoRABackend = Literal["torch", "triton"]
+LoRABackend = Literal["torch", "triton", "native"]
 BACKEND_ENV = "LORAPLEX_LORA_BACKEND"
 
 # The per-segment loop costs 2 matmul calls per segment, the padded path 5 calls per group and
@@ -51,6 +59,8 @@ LOOP_MAX_SEGMENTS = 2
 # segment is short and the rank small (decode); prefill chunks and large ranks go slice by slice.
 FUSE_MAX_ROWS = 64
 FUSE_MAX_RANK = 16
+# The native kernel's rank limit: above it the torch path's GEMMs are faster (rank 64: 1.5x).
+NATIVE_MAX_RANK = 16
 # Cached groups per layer (a step has a few: the decodes, a prefill). An entry holds its slots'
 # A and B at the group's rank, B block-diagonal (S times its size) when the rank is small.
 GROUP_CACHE_SIZE = 2
@@ -165,6 +175,13 @@ class TorchLoRACache:
         self._scales: list[float] | None = None
         self._slots: dict[int, SlotForm | None] = {}
         self._groups: OrderedDict[tuple[int, ...], GroupForm | None] = OrderedDict()
+        self._native: NativeLoRAArgs | None = None
+
+    def native_args(self) -> NativeLoRAArgs:
+        """Pointers for the native kernel (stable: the stacks are never reallocated)."""
+        if self._native is None:
+            self._native = NativeLoRAArgs.of(self._w)
+        return self._native
 
     def invalidate(self, slot: int | None = None) -> None:
         self.version += 1
@@ -252,19 +269,31 @@ def _block_diagonal(blocks: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def select_backend(device: torch.device) -> LoRABackend:
-    """``LORAPLEX_LORA_BACKEND`` if set, else Triton on CUDA and torch elsewhere."""
+def select_backend(device: torch.device, dtype: torch.dtype = torch.float32) -> LoRABackend:
+    """``LORAPLEX_LORA_BACKEND`` if set; else Triton on CUDA, the native CPU kernel for fp32 on the
+    CPU when it is built, and torch otherwise."""
     forced = os.environ.get(BACKEND_ENV, "").strip()
     allowed = get_args(LoRABackend)
     if forced and forced not in allowed:
         raise ValueError(f"{BACKEND_ENV}={forced!r} is not one of {', '.join(allowed)}")
-    backend: LoRABackend = (
-        "triton" if forced == "triton" or (not forced and device.type == "cuda") else "torch"
-    )
+    backend: LoRABackend
+    if forced:
+        backend = forced  # type: ignore[assignment]
+    elif device.type == "cuda":
+        backend = "triton"
+    elif device.type == "cpu" and dtype == torch.float32 and native.library() is not None:
+        backend = "native"
+    else:
+        backend = "torch"
     if backend == "triton" and not HAS_TRITON:
         raise RuntimeError(
             f"the Triton LoRA backend needs the `triton` package; install it or set "
             f"{BACKEND_ENV}=torch"
+        )
+    if backend == "native" and native.library() is None:
+        raise RuntimeError(
+            f"{BACKEND_ENV}=native but loraplex's native CPU kernels are not available (see the "
+            f"warning above; they need a C compiler); set {BACKEND_ENV}=torch"
         )
     return backend
 
@@ -283,12 +312,92 @@ def add_lora(
     """
     if not meta.has_lora:
         return
-    if (backend or select_backend(x.device)) == "triton":
+    chosen = backend or select_backend(x.device, x.dtype)
+    if chosen == "triton":
         buf = meta.workspace(len(weights.lora_a), weights.max_rank)  # [num_slices, T, R] fp32
         lora_shrink(x, weights.lora_a, meta, weights.ranks, weights.scales, buf)
         lora_expand(buf, weights.lora_b, meta, weights.ranks, y, weights.slice_offsets)
+    elif chosen == "native" and _native_fits(y, x, weights) and _native_pays(weights, meta):
+        add_lora_native(y, x, weights, meta)
     else:
         add_lora_torch(y, x, weights, meta)
+
+
+def _native_fits(y: torch.Tensor, x: torch.Tensor, weights: LoRALayerWeights) -> bool:
+    """The native kernel's layout: fp32 on the CPU, contiguous rows, contiguous stacks."""
+    return (
+        x.dtype == y.dtype == weights.cache.dtype == torch.float32
+        and x.device.type == y.device.type == "cpu"
+        and x.dim() == y.dim() == 2
+        and x.stride(1) == 1
+        and y.stride(1) == 1
+    )
+
+
+def _native_pays(weights: LoRALayerWeights, meta: LoRAKernelMeta) -> bool:
+    """Whether the native kernel beats the torch path on this step (measured, 2 CPU threads).
+
+    Where the torch path multiplies each segment in place (at most ``LOOP_MAX_SEGMENTS`` runs of
+    rows: a prefill chunk, one adapter's decodes) it is a plain GEMM per segment and wins; so it
+    does at ranks above ``NATIVE_MAX_RANK``, where the work is large enough for MKL. The native
+    kernel wins where the torch path has to pad, gather and batch: many small segments.
+    """
+    runs = meta.row_runs
+    if runs is not None and len(runs) <= LOOP_MAX_SEGMENTS:
+        return False
+    ranks = weights.cache.ranks
+    return max(ranks[s] for s in meta.active_slot_list) <= NATIVE_MAX_RANK
+
+
+@dataclass(frozen=True)
+class NativeLoRAArgs:
+    """A layer's stack pointers for ``lp_lora_add``, built once: the stacks never move (slot loads
+    copy into them), and ranks and scales are read through their pointers at every call."""
+
+    a_ptrs: ctypes.Array[ctypes.c_void_p]
+    b_ptrs: ctypes.Array[ctypes.c_void_p]
+    widths: ctypes.Array[ctypes.c_int64]
+    offsets: ctypes.Array[ctypes.c_int64]
+
+    @classmethod
+    def of(cls, weights: LoRALayerWeights) -> NativeLoRAArgs:
+        for t in (*weights.lora_a, *weights.lora_b, weights.ranks, weights.scales):
+            if not t.is_contiguous():
+                raise ValueError("the native LoRA kernel needs contiguous stacks, ranks and scales")
+        n = len(weights.lora_a)
+        return cls(
+            a_ptrs=(ctypes.c_void_p * n)(*(a.data_ptr() for a in weights.lora_a)),
+            b_ptrs=(ctypes.c_void_p * n)(*(b.data_ptr() for b in weights.lora_b)),
+            widths=(ctypes.c_int64 * n)(*weights.widths),
+            offsets=(ctypes.c_int64 * n)(*weights.slice_offsets),
+        )
+
+
+def add_lora_native(
+    y: torch.Tensor, x: torch.Tensor, weights: LoRALayerWeights, meta: LoRAKernelMeta
+) -> None:
+    """The native CPU backend of ``add_lora``: one ``lp_lora_add`` call over the step's tokens,
+    each at its own slot and rank (``csrc/cpu_kernels.c``)."""
+    _check_torch_args(y, x, weights, meta)
+    if not meta.has_lora:
+        return
+    lib = native.library()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are not available")
+    if meta.token_slots.dtype != torch.int32 or meta.token_slots.device.type != "cpu":
+        raise ValueError("meta.token_slots must be int32 on the CPU for the native backend")
+    args = weights.cache.native_args()
+    a0 = weights.lora_a[0]
+    rc = lib.lp_lora_add(
+        native.ptr(y), y.stride(0), native.ptr(x), x.stride(0), meta.num_tokens,
+        x.shape[1], native.ptr(meta.token_slots), a0.shape[0], a0.shape[1],
+        native.ptr(weights.ranks), native.ptr(weights.scales), len(weights.lora_a),
+        args.a_ptrs, args.b_ptrs, args.widths, args.offsets, native.num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(
+            f"lp_lora_add rejected its arguments (max_loras {a0.shape[0]}, max_rank {a0.shape[1]})"
+        )
 
 
 def _check_torch_args(

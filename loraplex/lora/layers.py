@@ -71,7 +71,7 @@ class LoRALinear(nn.Module):
             ranks=torch.zeros(max_loras, dtype=torch.int32, device=w.device),
             scales=torch.ones(max_loras, dtype=torch.float32, device=w.device),
         )
-        self.backend = select_backend(device)
+        self.backend = select_backend(device, dtype)
 
     def set_slot(
         self, slot: int, per_slice: list[tuple[torch.Tensor, torch.Tensor, float] | None]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -16,11 +17,13 @@ from loraplex.kernels import (
     add_lora_torch,
     lora_expand,
     lora_expand_torch,
+    lora_ops,
     lora_shrink,
     lora_shrink_torch,
+    native,
     select_backend,
 )
-from loraplex.kernels.lora_ops import GROUP_CACHE_SIZE, LOOP_MAX_SEGMENTS
+from loraplex.kernels.lora_ops import GROUP_CACHE_SIZE, LOOP_MAX_SEGMENTS, add_lora_native
 
 TOL = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),
@@ -271,24 +274,90 @@ def test_add_lora_torch_matches_naive(
     torch.testing.assert_close(y.float(), naive_add_lora(case), **TOL[dtype])
 
 
-def test_add_lora_dispatches_torch_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_add_lora_on_cpu_matches_naive_whichever_path_it_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     case = make_case([1, -1, 0, 1], [4, 8], 8, 32, [16, 8])
     y = case.y0.clone()
-    add_lora(y, case.x, case.weights, case.meta)  # no TRITON_INTERPRET needed: torch path
+    add_lora(y, case.x, case.weights, case.meta)  # no TRITON_INTERPRET needed: a CPU path
     torch.testing.assert_close(y, naive_add_lora(case))
 
 
 def test_select_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(BACKEND_ENV, raising=False)
-    assert select_backend(torch.device("cpu")) == "torch"
+    built = native.library() is not None
+    assert select_backend(torch.device("cpu")) == ("native" if built else "torch")
+    assert select_backend(torch.device("cpu"), torch.bfloat16) == "torch"
     if HAS_TRITON:
         assert select_backend(torch.device("cuda")) == "triton"
     monkeypatch.setenv(BACKEND_ENV, "torch")
     assert select_backend(torch.device("cuda")) == "torch"
+    assert select_backend(torch.device("cpu")) == "torch"
     monkeypatch.setenv(BACKEND_ENV, "cuda")
-    with pytest.raises(ValueError, match="torch, triton"):
+    with pytest.raises(ValueError, match="torch, triton, native"):
         select_backend(torch.device("cpu"))
+
+
+# --- the native CPU kernel (lp_lora_add) against the naive loop ---
+
+
+needs_native = pytest.mark.skipif(
+    native.library() is None and not os.environ.get("CI"),
+    reason="loraplex's native CPU kernels are not built here (no C compiler)",
+)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "slots",
+    [
+        [int(s) for s in torch.randperm(72, generator=torch.Generator().manual_seed(3)) % 9 - 1],
+        [s for s in range(8) for _ in range(8)],  # grouped: full tiles of 8
+        [3, 5, -1, 7, 3] + [0] * 203,  # a long run: tiles of 8 and a partial one
+        [6, 6, 1, -1, 1, 6],
+        [-1, -1, -1],  # base only: nothing to do
+    ],
+)
+@pytest.mark.parametrize("widths", [[96, 32, 32], [200], [64, 70]])
+def test_add_lora_native_matches_naive(slots: list[int], widths: list[int]) -> None:
+    # ranks up to 64 (the kernel has no rank limit of its own; the dispatcher has one) and a
+    # rank-0 (empty) slot; widths that are and are not multiples of the kernel's 64-column panel
+    ranks = [8, 16, 4, 64, 8, 32, 0, 8]
+    case = make_case(slots, ranks, 64, 96, widths, max_num_tokens=256)
+    y = case.y0.clone()
+    add_lora_native(y, case.x, case.weights, case.meta)
+    torch.testing.assert_close(y, naive_add_lora(case), **TOL[torch.float32])
+    base = [t for t, s in enumerate(slots) if s < 0 or ranks[s] == 0]
+    assert torch.equal(y[base], case.y0[base])  # base-model and empty-slot rows untouched
+
+
+@needs_native
+def test_add_lora_native_rejects_a_slot_beyond_the_stacks() -> None:
+    case = make_case([0, 1], [4, 8], 8, 32, [16])
+    case.meta.token_slots[1] = 5  # only 2 slots allocated
+    with pytest.raises(RuntimeError, match="lp_lora_add rejected"):
+        add_lora_native(case.y0.clone(), case.x, case.weights, case.meta)
+
+
+@needs_native
+def test_native_dispatch_sends_big_runs_and_high_ranks_to_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    calls: list[str] = []
+    monkeypatch.setattr(lora_ops, "add_lora_native", lambda *a: calls.append("native"))
+    monkeypatch.setattr(lora_ops, "add_lora_torch", lambda *a: calls.append("torch"))
+    many = [s for s in range(4) for _ in range(3)]  # 4 runs: more than LOOP_MAX_SEGMENTS
+    for slots, ranks, expect in [
+        (many, [8, 8, 8, 8], "native"),
+        (many, [8, 8, 64, 8], "torch"),  # a rank above NATIVE_MAX_RANK
+        ([0] * 12, [8], "torch"),  # one run: a GEMM in place
+    ]:
+        case = make_case(slots, ranks, 64, 32, [16, 8])
+        calls.clear()
+        add_lora(case.y0.clone(), case.x, case.weights, case.meta, backend="native")
+        assert calls == [expect], (slots, ranks)
 
 
 def test_layer_weights_validate_shapes() -> None:

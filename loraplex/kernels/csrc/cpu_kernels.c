@@ -152,6 +152,63 @@ int lp_paged_decode_attention(const float *q, int64_t q_row_stride, const int64_
  * threads. Base-model tokens are never read or written.
  */
 #define LP_LORA_TILE 8
+#define LP_COLS 64 /* output columns kept in registers while the rank rows are summed */
+
+/* h[u][i] = scale * A[i] . x_u for the tile's m tokens: four tokens per pass over a row of A,
+ * four independent accumulator chains. */
+static void lp_lora_shrink_tile(const float *a, int64_t r, int64_t k, const float *x,
+                                int64_t x_stride, int64_t m, float scale,
+                                float h[LP_LORA_TILE][LP_MAX_RANK]) {
+    for (int64_t i = 0; i < r; i++) {
+        const float *ai = a + i * k;
+        int64_t u = 0;
+        for (; u + 4 <= m; u += 4) {
+            const float *x0 = x + u * x_stride, *x1 = x0 + x_stride, *x2 = x1 + x_stride,
+                        *x3 = x2 + x_stride;
+            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+            for (int64_t c = 0; c < k; c++) {
+                s0 += ai[c] * x0[c];
+                s1 += ai[c] * x1[c];
+                s2 += ai[c] * x2[c];
+                s3 += ai[c] * x3[c];
+            }
+            h[u][i] = scale * s0;
+            h[u + 1][i] = scale * s1;
+            h[u + 2][i] = scale * s2;
+            h[u + 3][i] = scale * s3;
+        }
+        for (; u < m; u++) h[u][i] = scale * lp_dot(ai, x + u * x_stride, k);
+    }
+}
+
+/* y_u[c] += sum_i h[u][i] * B[i][c]: LP_COLS columns at a time, accumulated in registers over
+ * the rank rows (y read and written once), the B panel reused from L1 by the tile's tokens. */
+static void lp_lora_expand_tile(const float *b, int64_t r, int64_t n, float *y, int64_t y_stride,
+                                int64_t m, float h[LP_LORA_TILE][LP_MAX_RANK]) {
+    int64_t c0 = 0;
+    for (; c0 + LP_COLS <= n; c0 += LP_COLS) {
+        for (int64_t u = 0; u < m; u++) {
+            float acc[LP_COLS];
+            float *yu = y + u * y_stride + c0;
+#pragma omp simd
+            for (int64_t c = 0; c < LP_COLS; c++) acc[c] = yu[c];
+            for (int64_t i = 0; i < r; i++) {
+                const float hi = h[u][i];
+                const float *bi = b + i * n + c0;
+#pragma omp simd
+                for (int64_t c = 0; c < LP_COLS; c++) acc[c] += hi * bi[c];
+            }
+#pragma omp simd
+            for (int64_t c = 0; c < LP_COLS; c++) yu[c] = acc[c];
+        }
+    }
+    if (c0 < n) {
+        for (int64_t u = 0; u < m; u++)
+            for (int64_t i = 0; i < r; i++)
+                lp_axpy(y + u * y_stride + c0, h[u][i], b + i * n + c0, n - c0);
+    }
+}
 
 int lp_lora_add(float *y, int64_t y_stride, const float *x, int64_t x_stride, int64_t num_tokens,
                 int64_t in_features, const int32_t *slots, int64_t max_loras, int64_t max_rank,
@@ -174,24 +231,19 @@ int lp_lora_add(float *y, int64_t y_stride, const float *x, int64_t x_stride, in
         t = e;
     }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t k = 0; k < num_tiles; k++) {
-        const int64_t t0 = tiles[k];
+    for (int64_t q = 0; q < num_tiles; q++) {
+        const int64_t t0 = tiles[q];
         const int32_t s = slots[t0];
         int64_t m = 1;
         while (m < LP_LORA_TILE && t0 + m < num_tokens && slots[t0 + m] == s) m++;
-        const int64_t r = ranks[s];
+        const int64_t r = ranks[s] < max_rank ? ranks[s] : max_rank;
         float h[LP_LORA_TILE][LP_MAX_RANK];
         for (int64_t j = 0; j < num_slices; j++) {
             const int64_t n = widths[j];
-            const float *a = a_stacks[j] + s * max_rank * in_features;
-            const float *b = b_stacks[j] + s * max_rank * n;
-            for (int64_t i = 0; i < r; i++)
-                for (int64_t u = 0; u < m; u++)
-                    h[u][i] = scales[s] * lp_dot(a + i * in_features, x + (t0 + u) * x_stride,
-                                                 in_features);
-            for (int64_t i = 0; i < r; i++)
-                for (int64_t u = 0; u < m; u++)
-                    lp_axpy(y + (t0 + u) * y_stride + offsets[j], h[u][i], b + i * n, n);
+            lp_lora_shrink_tile(a_stacks[j] + s * max_rank * in_features, r, in_features,
+                                x + t0 * x_stride, x_stride, m, scales[s], h);
+            lp_lora_expand_tile(b_stacks[j] + s * max_rank * n, r, n, y + t0 * y_stride + offsets[j],
+                                y_stride, m, h);
         }
     }
     free(tiles);
