@@ -129,8 +129,21 @@ class NativePagedAttention(TorchPagedAttention):
             )
 
 
-def make_attention_backend(device: torch.device, dtype: torch.dtype) -> TorchPagedAttention:
-    """The native CPU backend where it applies (CPU, fp32, kernels built), else plain torch."""
-    if device.type == "cpu" and dtype == torch.float32 and native.library() is not None:
+# query heads per KV head the kernel handles (LP_MAX_GROUP in cpu_kernels.c)
+MAX_GROUP = 64
+
+
+def make_attention_backend(
+    device: torch.device, dtype: torch.dtype, num_heads: int = 1, num_kv_heads: int = 1
+) -> TorchPagedAttention:
+    """The native CPU backend where it applies (CPU, fp32, kernels built, at most ``MAX_GROUP``
+    query heads per KV head), else plain torch."""
+    group = num_heads // max(num_kv_heads, 1)
+    if (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and group <= MAX_GROUP
+        and native.library() is not None
+    ):
         return NativePagedAttention(device, dtype)
     return TorchPagedAttention(device, dtype)

@@ -63,7 +63,9 @@ class ModelRunner:
                 f"({self._spec.max_position_embeddings})"
             )
         self.block_size = cache_config.block_size
-        self.attn = make_attention_backend(self.device, dtype)
+        self.attn = make_attention_backend(
+            self.device, dtype, self._spec.num_heads, self._spec.num_kv_heads
+        )
         self.sampler = Sampler(self._spec.vocab_size, self.device)
         self.kv_cache: torch.Tensor | None = None  # [layers, 2, num_blocks, block_size, H_kv, Dh]
         self.lora: LoRAManager | None = None

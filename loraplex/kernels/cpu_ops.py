@@ -20,6 +20,11 @@ def _rows_ok(t: torch.Tensor) -> bool:
     return t.dim() == 2 and t.stride(1) == 1
 
 
+def _norm_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A row kernel's norm weight: one contiguous value per column of x."""
+    return weight.dim() == 1 and weight.is_contiguous() and weight.shape[0] == x.shape[-1] > 0
+
+
 def _check(rc: int, what: str) -> None:
     if rc != 0:
         raise RuntimeError(f"native kernel {what} rejected its arguments")
@@ -27,7 +32,8 @@ def _check(rc: int, what: str) -> None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x * rsqrt(mean(x², -1) + eps) * weight`` over ``x [T, dim]`` (x is not modified)."""
-    lib = native.library() if native.usable(x, weight) and _rows_ok(x) else None
+    ok = native.usable(x, weight) and _rows_ok(x) and _norm_ok(x, weight)
+    lib = native.library() if ok else None
     if lib is None:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     out = torch.empty(x.shape, dtype=x.dtype)
@@ -43,7 +49,13 @@ def add_rms_norm(
     delta: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """``residual += delta`` in place, then return ``rms_norm(residual)``: both ``[T, dim]``."""
-    ok = native.usable(delta, residual, weight) and _rows_ok(delta) and _rows_ok(residual)
+    ok = (
+        native.usable(delta, residual, weight)
+        and _rows_ok(delta)
+        and _rows_ok(residual)
+        and delta.shape == residual.shape
+        and _norm_ok(residual, weight)
+    )
     lib = native.library() if ok else None
     if lib is None:
         residual.add_(delta)
@@ -81,10 +93,15 @@ def rope_(
         and x.dim() == 3
         and x.stride(2) == 1
         and x.stride(1) == x.shape[2]
+        and x.shape[2] % 2 == 0
         and positions.dtype == torch.int64
         and positions.is_contiguous()
+        and tuple(positions.shape) == (x.shape[0],)
         and cos_cache.is_contiguous()
         and sin_cache.is_contiguous()
+        and cos_cache.shape == sin_cache.shape
+        and cos_cache.dim() == 2
+        and cos_cache.shape[1] == x.shape[2] // 2
     )
     lib = native.library() if ok else None
     if lib is None:

@@ -221,6 +221,11 @@ def test_torch_backend_outside_cpu_fp32(device: torch.device, dtype: torch.dtype
         NativePagedAttention(device, dtype)
 
 
+def test_more_query_heads_per_kv_head_than_the_kernel_takes_chooses_torch() -> None:
+    assert type(make_attention_backend(CPU, torch.float32, 130, 2)) is TorchPagedAttention
+    assert isinstance(make_attention_backend(CPU, torch.float32, 128, 2), NativePagedAttention)
+
+
 def test_native_off_chooses_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     with monkeypatch.context() as env:
         env.setenv(native.NATIVE_ENV, "0")

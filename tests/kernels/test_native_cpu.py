@@ -104,6 +104,29 @@ def test_rms_norm_strided_rows(spy: LibSpy, gen: torch.Generator, rows: int) -> 
     torch.testing.assert_close(out, F.rms_norm(x.contiguous(), (dim,), w, 1e-5), **TOL)
 
 
+def test_rms_norm_strided_weight(gen: torch.Generator) -> None:
+    x = torch.randn(4, 64, generator=gen)
+    w = torch.randn(128, generator=gen)[::2]  # [64] with stride 2: the torch path takes it
+    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-6), F.rms_norm(x, (64,), w, 1e-6), **TOL)
+
+
+def test_shapes_the_kernels_would_overrun_take_the_torch_path(
+    spy: LibSpy, gen: torch.Generator
+) -> None:
+    x = torch.randn(4, 64, generator=gen)
+    with pytest.raises(RuntimeError):  # torch refuses a weight of the wrong width, as it should
+        cpu_ops.rms_norm(x, torch.randn(32, generator=gen), 1e-6)
+    residual = torch.randn(4, 64, generator=gen)
+    delta = torch.randn(1, 64, generator=gen)  # broadcasts in torch; the kernel would overrun
+    expect = F.rms_norm(residual + delta, (64,), torch.ones(64), 1e-6)
+    torch.testing.assert_close(cpu_ops.add_rms_norm(delta, residual, torch.ones(64), 1e-6), expect)
+    qk = torch.randn(3, 2, 8, generator=gen)
+    table = torch.randn(16, 4, generator=gen)
+    with pytest.raises(RuntimeError):  # 2 positions for 3 rows: torch's shapes do not match
+        cpu_ops.rope_(qk, torch.tensor([0, 1]), table, table)
+    assert spy.calls == []
+
+
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dim", [64, 577])
 def test_add_rms_norm_updates_residual(
@@ -265,7 +288,9 @@ def test_argmax_one_row_full_vocab(spy: LibSpy, gen: torch.Generator, maxima: li
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_reduced_precision_uses_torch(spy: LibSpy, gen: torch.Generator, dtype: torch.dtype) -> None:
+def test_reduced_precision_uses_torch(
+    spy: LibSpy, gen: torch.Generator, dtype: torch.dtype
+) -> None:
     x = torch.randn(7, 96, generator=gen).to(dtype)
     w = torch.randn(96, generator=gen).to(dtype)
     assert torch.equal(cpu_ops.rms_norm(x, w, 1e-6), F.rms_norm(x, (96,), w, 1e-6))
@@ -382,7 +407,7 @@ def test_required_mode_raises_without_compiler(
     no_compiler: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(native.NATIVE_ENV, "1")
-    with pytest.raises(native.NativeBuildError, match="LORAPLEX_NATIVE=1.*no C compiler"):
+    with pytest.raises(native.NativeBuildError, match=r"LORAPLEX_NATIVE=1.*no C compiler"):
         native.library()
 
 
@@ -396,9 +421,7 @@ def test_off_mode_neither_builds_nor_warns(
     assert not native.usable(torch.zeros(2))
 
 
-def test_invalid_mode_names_the_variable(
-    cache_root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_invalid_mode_names_the_variable(cache_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(native.NATIVE_ENV, "maybe")
     with pytest.raises(ValueError, match="LORAPLEX_NATIVE='maybe'"):
         native.library()

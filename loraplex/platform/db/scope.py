@@ -65,7 +65,9 @@ class TenantScope:
         return self.session.scalars(self.select(Adapter).where(Adapter.name == name)).first()
 
     def key(self, public_id: str) -> ApiKey | None:
-        return self.session.scalars(self.select(ApiKey).where(ApiKey.public_id == public_id)).first()
+        return self.session.scalars(
+            self.select(ApiKey).where(ApiKey.public_id == public_id)
+        ).first()
 
     def add(self, row: M) -> M:
         """Add ``row`` as this tenant's, whatever owner it was given."""
