@@ -38,11 +38,26 @@ class DecoderOptions:
 
 
 class Embedding(nn.Module):
-    def __init__(self, num: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Token embeddings ``[num, dim]``.
+
+    ``transposed``: stored ``[dim, num]`` and exposed as the usual ``[num, dim]`` view, as
+    ``Linear`` stores its weight. For a tied LM head on the CPU this makes the logits a plain
+    GEMM (up to 1.5x faster at decode-sized batches) at the cost of a strided row gather for the
+    lookup, which touches only the step's tokens.
+    """
+
+    def __init__(
+        self,
+        num: int,
+        dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        transposed: bool = False,
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(
-            torch.empty(num, dim, dtype=dtype, device=device), requires_grad=False
-        )
+        shape = (dim, num) if transposed else (num, dim)
+        data = torch.empty(shape, dtype=dtype, device=device)
+        self.weight = nn.Parameter(data.t() if transposed else data, requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)  # [T, dim]
@@ -160,9 +175,12 @@ class DecoderModel(nn.Module):
         max_position: int,
         dtype: torch.dtype,
         device: torch.device,
+        embed_transposed: bool = False,
     ) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.embed_tokens = Embedding(
+            cfg.vocab_size, cfg.hidden_size, dtype, device, transposed=embed_transposed
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, opts, dtype, device) for i in range(cfg.num_hidden_layers)
         )
@@ -207,7 +225,15 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.model = DecoderModel(cfg, self.decoder_options(cfg), max_position, dtype, device)
+        self.model = DecoderModel(
+            cfg,
+            self.decoder_options(cfg),
+            max_position,
+            dtype,
+            device,
+            # the tied head's logits as a plain GEMM on the CPU (see Embedding)
+            embed_transposed=self.tie_word_embeddings and device.type == "cpu",
+        )
         self.lm_head: Linear | None = None
         if not self.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
