@@ -3,11 +3,8 @@ caches, and how ``make_attention_backend`` chooses between them."""
 
 from __future__ import annotations
 
-import ctypes
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pytest
@@ -20,6 +17,7 @@ from loraplex.engine.attention_native import (
     make_attention_backend,
 )
 from loraplex.kernels import native
+from tests.kernels.native_spy import LibSpy, install_spy
 
 # On CI the compiler is part of the image: a missing library fails test_native_backend_is_chosen.
 if native.library() is None and not os.environ.get("CI"):
@@ -30,29 +28,19 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 
 
 class DecodeSpy:
-    """The loaded library with its decode kernel's calls counted."""
+    """Counts the decode kernel's calls through the shared library recorder."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._lib = lib
-        self.calls = 0
+    def __init__(self, spy: LibSpy) -> None:
+        self._spy = spy
 
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        fn = getattr(self._lib, name)
-
-        def call(*args: Any) -> Any:
-            self.calls += name == "lp_paged_decode_attention"
-            return fn(*args)
-
-        return call
+    @property
+    def calls(self) -> int:
+        return self._spy.calls.count("lp_paged_decode_attention")
 
 
 @pytest.fixture
 def spy(monkeypatch: pytest.MonkeyPatch) -> DecodeSpy:
-    lib = native.library()
-    assert lib is not None, "the native kernels did not build (CI needs a C compiler)"
-    recorder = DecodeSpy(lib)
-    monkeypatch.setattr(native, "library", lambda: recorder)
-    return recorder
+    return DecodeSpy(install_spy(monkeypatch))
 
 
 @dataclass

@@ -3,10 +3,9 @@ references, and how ``native.py`` builds, caches and falls back."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels import cpu_ops, native
+from tests.kernels.native_spy import LibSpy, install_spy
 
 # Without a compiler the wrappers run their torch paths and there is nothing to compare; on CI the
 # compiler is part of the image, so a missing library fails test_library_builds_and_loads there.
@@ -25,31 +25,9 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 ROWS = [1, 7, 64, 300]  # 64 and 300 rows of the wider shapes cross LP_PAR_MIN: the OpenMP branch
 
 
-class LibSpy:
-    """Stands in for the loaded library and records which kernels the wrappers call."""
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._lib = lib
-        self.calls: list[str] = []
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        fn = getattr(self._lib, name)
-
-        def call(*args: Any) -> Any:
-            self.calls.append(name)
-            return fn(*args)
-
-        return call
-
-
 @pytest.fixture
 def spy(monkeypatch: pytest.MonkeyPatch) -> LibSpy:
-    """The real library behind a recorder, so a test also proves which path ran."""
-    lib = native.library()
-    assert lib is not None, "the native kernels did not build (CI needs a C compiler)"
-    recorder = LibSpy(lib)
-    monkeypatch.setattr(native, "library", lambda: recorder)
-    return recorder
+    return install_spy(monkeypatch)
 
 
 @pytest.fixture
