@@ -1,8 +1,8 @@
-"""loraplex's native CPU kernels: ``csrc/cpu_kernels.c`` built once per machine and loaded with ctypes.
+"""loraplex's native CPU kernels: ``csrc/*.c`` built once per machine and loaded with ctypes.
 
-The source is compiled with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``) at the
+The sources are compiled with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``) at the
 first use, ``-O3 -march=native -fopenmp``, into ``$LORAPLEX_CACHE_DIR/native/<key>/`` where the key
-hashes the source, the compiler's version and the CPU's model and flags; later processes load the
+hashes the sources, the compiler's version and the CPU's model and flags; later processes load the
 cached library in milliseconds. Building is atomic (a temporary file renamed into place), so
 processes that race to build it are safe.
 
@@ -33,7 +33,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 NATIVE_ENV = "LORAPLEX_NATIVE"
-_SOURCE = "cpu_kernels.c"
+_SOURCES = ("cpu_kernels.c", "gemm.c")  # compiled into one library
+_HEADERS = ("lp_simd.h",)
 _LIB = "libloraplex_cpu.so"
 
 _c_int64 = ctypes.c_int64
@@ -80,23 +81,22 @@ def _cache_root() -> Path:
     return cache_dir() / "native"
 
 
-def _build(compiler: str, source: bytes, target: Path) -> None:
+def _build(compiler: str, sources: dict[str, bytes], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = Path(tmp) / _SOURCE
-        src.write_bytes(source)
+        for name, text in sources.items():
+            (Path(tmp) / name).write_bytes(text)
         out = Path(tmp) / _LIB
         cmd = [
             compiler, "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared",
             "-std=gnu11",
-            "-o", str(out), str(src), "-lm",
+            "-o", str(out), *(str(Path(tmp) / name) for name in _SOURCES), "-lm",
         ]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             detail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-            raise NativeBuildError(
-                f"`{' '.join(cmd[:-3])} ...` failed: " + " | ".join(detail)[:600]
-            )
+            shown = " ".join(cmd[: -2 - len(_SOURCES)])
+            raise NativeBuildError(f"`{shown} ...` failed: " + " | ".join(detail)[:600])
         os.replace(out, target)  # atomic: a racing process sees the old file or the new one
 
 
@@ -132,6 +132,13 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.lp_silu_mul.argtypes = [ptr, i64, i64, i64, ptr, i64, c_int]
     lib.lp_argmax_rows.restype = c_int
     lib.lp_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr, c_int]
+    lib.lp_gemm_panel_width.restype = c_int
+    lib.lp_gemm_panel_width.argtypes = []
+    lib.lp_gemm_packed.restype = c_int
+    lib.lp_gemm_packed.argtypes = [
+        i64, i64, i64, ptr, i64,  # m, n, k, x, ldx
+        ptr, ptr, ptr, i64, c_int,  # packed, bias (or None), y, ldy, num_threads
+    ]  # fmt: skip
     return lib
 
 
@@ -142,17 +149,18 @@ def build_library() -> ctypes.CDLL:
         raise NativeBuildError(
             "no C compiler found (set $CC, or install one: apt-get install -y gcc)"
         )
-    source = resources.files("loraplex.kernels").joinpath("csrc", _SOURCE).read_bytes()
+    csrc = resources.files("loraplex.kernels").joinpath("csrc")
+    sources = {name: csrc.joinpath(name).read_bytes() for name in (*_SOURCES, *_HEADERS)}
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, timeout=60
     ).stdout
     key = hashlib.sha256(
-        b"\0".join([source, version.encode(), _cpu_signature().encode()])
+        b"\0".join([*sources.values(), version.encode(), _cpu_signature().encode()])
     ).hexdigest()[:16]
     target = _cache_root() / key / _LIB
     if not target.exists():
         logger.info("building loraplex's native CPU kernels with %s into %s", compiler, target)
-        _build(compiler, source, target)
+        _build(compiler, sources, target)
     try:
         return _load(target)
     except OSError as exc:

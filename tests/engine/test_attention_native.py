@@ -102,7 +102,7 @@ def run_both(step: Step) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torc
     return ref_out, nat_out, ref_cache, nat_cache
 
 
-HEADS = [(9, 3, 64), (4, 4, 32)]  # GQA (group 3) and MHA
+HEADS = [(9, 3, 64), (4, 4, 32), (6, 2, 20)]  # GQA (group 3), MHA, a head_dim off the vector width
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), HEADS)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.kernels import cpu_ops, native
+from loraplex.kernels import cpu_ops, native, packed_gemm
 
 
 class Linear(nn.Module):
@@ -42,6 +42,7 @@ class Linear(nn.Module):
             torch.empty(in_features, out_features, dtype=dtype, device=device).t(),
             requires_grad=False,
         )
+        self.packed: torch.Tensor | None = None  # pack_weight(): W.T in panels, CPU fp32 only
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(
@@ -58,6 +59,7 @@ class Linear(nn.Module):
         param: torch.Tensor | None = getattr(self, param_name)
         if param is None:
             raise KeyError(param_name)
+        self.packed = None  # stale once the weight changes
         offset, size = self.output_slices[shard]
         target = param.data.narrow(0, offset, size)
         if tuple(target.shape) != tuple(loaded.shape):
@@ -67,8 +69,18 @@ class Linear(nn.Module):
             )
         target.copy_(loaded)
 
+    def pack_weight(self) -> None:
+        """Keep a panel-packed copy of the (loaded) weight for the CPU decode-batch kernel.
+
+        A no-op where that kernel does not apply (see ``packed_gemm.pack``); loading a shard
+        afterwards drops the copy.
+        """
+        self.packed = packed_gemm.pack(self.weight.t())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # [T, out_features]
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)  # [T, out_features]
+        return packed_gemm.linear(x, self.weight, self.packed, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

@@ -24,7 +24,7 @@ from loraplex.engine.models.layers import (
     RotaryEmbedding,
     rope_parameters,
 )
-from loraplex.kernels import cpu_ops
+from loraplex.kernels import cpu_ops, packed_gemm
 
 
 @dataclass(frozen=True)
@@ -235,6 +235,7 @@ class LlamaForCausalLM(nn.Module):
             embed_transposed=self.tie_word_embeddings and device.type == "cpu",
         )
         self.lm_head: Linear | None = None
+        self.tied_head_packed: torch.Tensor | None = None  # pack_weights(), tied head on CPU
         if not self.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
 
@@ -252,8 +253,18 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, metadata)  # [T, hidden]
 
+    def pack_weights(self) -> None:
+        """After loading: panel-packed copies of every linear weight and of the tied head, for
+        the CPU fp32 decode-batch GEMM (``packed_gemm``); a no-op elsewhere."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_weight()
+        if self.lm_head is None:
+            self.tied_head_packed = packed_gemm.pack(self.model.embed_tokens.weight.t())
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [S, hidden]`` (the sampling rows only) -> logits ``[S, vocab_size]``."""
         if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight)
+            embed = self.model.embed_tokens.weight  # [vocab, hidden]
+            return packed_gemm.linear(hidden, embed, self.tied_head_packed)
         return self.lm_head(hidden)

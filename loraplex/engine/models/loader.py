@@ -232,4 +232,5 @@ def load_model(
     max_position = max_model_len or max_positions(hf_config)
     model = cls(hf_config, max_position, torch_dtype, dev)
     load_weights(model, model_dir)
+    model.pack_weights()
     return model.eval(), hf_config

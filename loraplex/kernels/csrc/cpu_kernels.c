@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "lp_simd.h"
+
 #define LP_MAX_GROUP 64   /* query heads per KV head */
 #define LP_MAX_RANK 1024  /* LoRA rank */
 
@@ -36,6 +38,23 @@ static inline float lp_exp(float x) {
         float f;
     } scale = {.i = ((int32_t)n + 127) << 23};
     return p * scale.f;
+}
+
+/* a . b for n a multiple of LP_VL */
+static inline float lp_dot_vl(const float *a, const float *b, int64_t n) {
+    lp_vf s0 = {0}, s1 = {0};
+    int64_t i = 0;
+    for (; i + 2 * LP_VL <= n; i += 2 * LP_VL) {
+        s0 += lp_ld(a + i) * lp_ld(b + i);
+        s1 += lp_ld(a + i + LP_VL) * lp_ld(b + i + LP_VL);
+    }
+    if (i < n) s0 += lp_ld(a + i) * lp_ld(b + i);
+    return lp_hsum(s0 + s1);
+}
+
+/* y += alpha * x for n a multiple of LP_VL */
+static inline void lp_axpy_vl(float *y, float alpha, const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i += LP_VL) lp_st(y + i, lp_ld(y + i) + alpha * lp_ld(x + i));
 }
 
 static inline float lp_dot(const float *restrict a, const float *restrict b, int64_t n) {
@@ -68,17 +87,16 @@ int lp_paged_decode_attention(const float *q, int64_t q_row_stride, const int64_
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return -1;
     const int64_t group = num_heads / num_kv_heads;
     if (group > LP_MAX_GROUP || block_size <= 0 || head_dim <= 0) return -1;
-    int64_t max_len = 1;
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = 0; i < n; i++)
         if (seq_lens[i] < 1 || seq_lens[i] > width * block_size) return -1;
-        if (seq_lens[i] > max_len) max_len = seq_lens[i];
-    }
     const int64_t tok_stride = num_kv_heads * head_dim; /* one slot of one block */
     const int64_t blk_stride = block_size * tok_stride;
+    const int64_t line_floats = 64 / (int64_t)sizeof(float);
+    const int vec = head_dim % LP_VL == 0;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * max_len));
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * block_size));
         float *acc = (float *)malloc(sizeof(float) * (size_t)(group * head_dim));
         if (scores == NULL || acc == NULL) {
 #pragma omp atomic write
@@ -91,46 +109,68 @@ int lp_paged_decode_attention(const float *q, int64_t q_row_stride, const int64_
                 const int64_t len = seq_lens[i];
                 const int64_t *table = block_tables + i * width;
                 const float *qg = q + rows[i] * q_row_stride + g * group * head_dim;
-                float mx[LP_MAX_GROUP], inv[LP_MAX_GROUP];
-                for (int64_t h = 0; h < group; h++) mx[h] = -INFINITY;
-                /* scores[h, p] = scale * q_h . k_p */
+                float mx[LP_MAX_GROUP], sum[LP_MAX_GROUP];
+                for (int64_t h = 0; h < group; h++) {
+                    mx[h] = -INFINITY;
+                    sum[h] = 0.0f;
+                }
+                for (int64_t e = 0; e < group * head_dim; e++) acc[e] = 0.0f;
+                /* one pass over the blocks: scores, online softmax, weighted values */
                 for (int64_t p0 = 0; p0 < len; p0 += block_size) {
-                    const float *kb = k_cache + table[p0 / block_size] * blk_stride + g * head_dim;
+                    const int64_t off = table[p0 / block_size] * blk_stride + g * head_dim;
+                    const float *kb = k_cache + off, *vb = v_cache + off;
                     const int64_t m = len - p0 < block_size ? len - p0 : block_size;
+                    if (p0 + block_size < len) { /* the next block: fetch while this one computes */
+                        const int64_t nxt = table[p0 / block_size + 1] * blk_stride + g * head_dim;
+                        const int64_t mn = len - p0 - block_size < block_size ? len - p0 - block_size : block_size;
+                        for (int64_t o = 0; o < mn; o++)
+                            for (int64_t d = 0; d < head_dim; d += line_floats) {
+                                __builtin_prefetch(k_cache + nxt + o * tok_stride + d, 0, 3);
+                                __builtin_prefetch(v_cache + nxt + o * tok_stride + d, 0, 3);
+                            }
+                    }
                     for (int64_t o = 0; o < m; o++) {
                         const float *kp = kb + o * tok_stride;
-                        for (int64_t h = 0; h < group; h++) {
-                            const float s = scale * lp_dot(qg + h * head_dim, kp, head_dim);
-                            scores[h * max_len + p0 + o] = s;
-                            if (s > mx[h]) mx[h] = s;
+                        for (int64_t h = 0; h < group; h++)
+                            scores[h * block_size + o] =
+                                scale * (vec ? lp_dot_vl(qg + h * head_dim, kp, head_dim)
+                                             : lp_dot(qg + h * head_dim, kp, head_dim));
+                    }
+                    for (int64_t h = 0; h < group; h++) {
+                        float *sh = scores + h * block_size;
+                        float bm = mx[h];
+                        for (int64_t o = 0; o < m; o++) bm = sh[o] > bm ? sh[o] : bm;
+                        if (bm > mx[h]) { /* rescale what was summed under the old maximum */
+                            const float corr = lp_exp(mx[h] - bm);
+                            sum[h] *= corr;
+                            float *ah = acc + h * head_dim;
+#pragma omp simd
+                            for (int64_t d = 0; d < head_dim; d++) ah[d] *= corr;
+                            mx[h] = bm;
                         }
+                        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                        for (int64_t o = 0; o < m; o++) {
+                            sh[o] = lp_exp(sh[o] - bm);
+                            s += sh[o];
+                        }
+                        sum[h] += s;
                     }
-                }
-                for (int64_t h = 0; h < group; h++) {
-                    float *sh = scores + h * max_len;
-                    float sum = 0.0f;
-                    for (int64_t p = 0; p < len; p++) {
-                        sh[p] = lp_exp(sh[p] - mx[h]);
-                        sum += sh[p];
-                    }
-                    inv[h] = 1.0f / sum;
-                }
-                /* out_h = sum_p softmax_p * v_p */
-                for (int64_t e = 0; e < group * head_dim; e++) acc[e] = 0.0f;
-                for (int64_t p0 = 0; p0 < len; p0 += block_size) {
-                    const float *vb = v_cache + table[p0 / block_size] * blk_stride + g * head_dim;
-                    const int64_t m = len - p0 < block_size ? len - p0 : block_size;
                     for (int64_t o = 0; o < m; o++) {
                         const float *vp = vb + o * tok_stride;
                         for (int64_t h = 0; h < group; h++)
-                            lp_axpy(acc + h * head_dim, scores[h * max_len + p0 + o], vp, head_dim);
+                            if (vec)
+                                lp_axpy_vl(acc + h * head_dim, scores[h * block_size + o], vp, head_dim);
+                            else
+                                lp_axpy(acc + h * head_dim, scores[h * block_size + o], vp, head_dim);
                     }
                 }
                 float *og = out + rows[i] * out_row_stride + g * group * head_dim;
                 for (int64_t h = 0; h < group; h++) {
+                    const float inv = 1.0f / sum[h];
 #pragma omp simd
                     for (int64_t d = 0; d < head_dim; d++)
-                        og[h * head_dim + d] = acc[h * head_dim + d] * inv[h];
+                        og[h * head_dim + d] = acc[h * head_dim + d] * inv;
                 }
             }
         }

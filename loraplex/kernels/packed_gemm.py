@@ -1,0 +1,79 @@
+"""Linear layers on the CPU with the weight packed once into column panels (``csrc/gemm.c``).
+
+At decode-sized batches (up to ``PACKED_MAX_ROWS`` rows) a projection is bound by reading its
+weight from memory; the packed kernel streams each weight exactly once per call with prefetching,
+where a BLAS sgemm repacks it on every call. Larger batches (prefill chunks), other dtypes and
+devices, and layouts the kernel cannot read go to ``F.linear``, the reference the tests compare
+against. The packed copy is extra memory: one more copy of every packed weight, fp32.
+
+``bench``: ``python -m loraplex.cli bench throughput`` compares the whole engine with Hugging
+Face; ``tests/kernels/test_packed_gemm.py`` compares this kernel with torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.kernels import native
+
+# Up to here the packed kernel beats MKL on the 2-core CI machine (1.3-2x at 8-64 rows, even at
+# 128); beyond it the BLAS is as fast or faster and the unpacked weight is used.
+PACKED_MAX_ROWS = 128
+
+
+def panel_width() -> int | None:
+    """Columns per packed panel of this machine's build, or None without the native kernels."""
+    lib = native.library()
+    return None if lib is None else int(lib.lp_gemm_panel_width())
+
+
+def pack(weight_t: torch.Tensor) -> torch.Tensor | None:
+    """``weight_t [in, out]`` (``W.T``, any strides) -> panels ``[ceil(out / w), in, w]``.
+
+    None when the packed kernel does not apply (not fp32 on the CPU, or no native kernels).
+    The last panel is zero-padded; the result shares no memory with ``weight_t``.
+    """
+    width = panel_width() if native.usable(weight_t) and weight_t.dim() == 2 else None
+    if width is None:
+        return None
+    k, n = weight_t.shape
+    panels = -(-n // width)
+    padded = torch.zeros(k, panels * width, dtype=weight_t.dtype)  # [in, panels * w]
+    padded[:, :n] = weight_t
+    return padded.view(k, panels, width).permute(1, 0, 2).contiguous()  # [panels, in, w]
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    packed: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x [T, in]``, ``weight [out, in]``; ``packed`` is
+    ``pack(weight.t())`` or None. Uses the packed kernel when it applies."""
+    lib = native.library() if packed is not None and _applies(x, weight, bias) else None
+    if lib is None or packed is None:
+        return F.linear(x, weight, bias)
+    rows, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(rows, n, dtype=x.dtype)  # [T, out]
+    rc = lib.lp_gemm_packed(
+        rows, n, k, native.ptr(x), x.stride(0),
+        native.ptr(packed), None if bias is None else native.ptr(bias),
+        native.ptr(y), n, native.num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError("native kernel lp_gemm_packed rejected its arguments")
+    return y
+
+
+def _applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    if x.dim() != 2 or not 0 < x.shape[0] <= PACKED_MAX_ROWS or x.shape[1] != weight.shape[1]:
+        return False
+    if x.stride(1) != 1 or x.stride(0) < x.shape[1]:
+        return False
+    if bias is not None and not (bias.dim() == 1 and bias.is_contiguous()):
+        return False
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    return native.usable(*tensors)
