@@ -184,8 +184,9 @@ def library() -> ctypes.CDLL | None:
 
 def usable(*tensors: torch.Tensor) -> bool:
     """Whether the native kernels apply: loaded, and every tensor fp32 on the CPU."""
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
-        return False
+    for t in tensors:  # a plain loop: this runs for every op of every decode step
+        if t.dtype != torch.float32 or not t.is_cpu:
+            return False
     return library() is not None
 
 
