@@ -40,23 +40,6 @@ static inline float lp_exp(float x) {
     return p * scale.f;
 }
 
-/* a . b for n a multiple of LP_VL */
-static inline float lp_dot_vl(const float *a, const float *b, int64_t n) {
-    lp_vf s0 = {0}, s1 = {0};
-    int64_t i = 0;
-    for (; i + 2 * LP_VL <= n; i += 2 * LP_VL) {
-        s0 += lp_ld(a + i) * lp_ld(b + i);
-        s1 += lp_ld(a + i + LP_VL) * lp_ld(b + i + LP_VL);
-    }
-    if (i < n) s0 += lp_ld(a + i) * lp_ld(b + i);
-    return lp_hsum(s0 + s1);
-}
-
-/* y += alpha * x for n a multiple of LP_VL */
-static inline void lp_axpy_vl(float *y, float alpha, const float *x, int64_t n) {
-    for (int64_t i = 0; i < n; i += LP_VL) lp_st(y + i, lp_ld(y + i) + alpha * lp_ld(x + i));
-}
-
 static inline float lp_dot(const float *restrict a, const float *restrict b, int64_t n) {
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
@@ -76,8 +59,124 @@ static inline void lp_axpy(float *restrict y, float alpha, const float *restrict
  * k/v_cache   [num_blocks, block_size, num_kv_heads, head_dim] contiguous
  * block_tables [n, width] the blocks of sequence i; seq_lens [n] its keys (all visible)
  * Query head h reads KV head h / (num_heads / num_kv_heads), as Hugging Face's repeat_kv does.
+ * One task per (sequence, KV head): its group of query heads over the sequence's blocks in one
+ * pass with an online softmax, prefetching the next block while this one computes. When
+ * head_dim is 1, 2, 4 or 8 vectors, the scores of LP_VL keys come out of one transpose tree
+ * and the weighted values are summed in registers.
  * Returns 0, or -1 when an argument is out of range (nothing written).
  */
+#define LP_MAX_ND 8 /* head_dim / LP_VL held in registers: up to 128 with AVX-512 */
+
+/* scores[o] = scale * q . k_o for the m keys of a block, k_o at kb + o * tok_stride.
+ * nd > 0: head_dim = nd * LP_VL (a constant once inlined); nd == 0: any head_dim. */
+static inline __attribute__((always_inline)) void lp_block_scores(
+    const int nd, const float *q, const float *kb, int64_t tok_stride, int64_t m,
+    int64_t head_dim, float scale, float *scores) {
+    if (nd == 0) {
+        for (int64_t o = 0; o < m; o++) scores[o] = scale * lp_dot(q, kb + o * tok_stride, head_dim);
+        return;
+    }
+    lp_vf qv[LP_MAX_ND];
+    for (int d = 0; d < nd; d++) qv[d] = lp_ld(q + d * LP_VL);
+    int64_t o = 0;
+    for (; o + LP_VL <= m; o += LP_VL) {
+        lp_vf part[LP_VL]; /* part[j]: lane-wise products for key o + LP_BITREV[j] */
+        for (int j = 0; j < LP_VL; j++) {
+            const float *kp = kb + (o + LP_BITREV[j]) * tok_stride;
+            lp_vf acc = qv[0] * lp_ld(kp);
+            for (int d = 1; d < nd; d++) acc += qv[d] * lp_ld(kp + d * LP_VL);
+            part[j] = acc;
+        }
+        lp_st(scores + o, lp_transpose_sum(part) * scale);
+    }
+    for (; o < m; o++) {
+        const float *kp = kb + o * tok_stride;
+        lp_vf acc = qv[0] * lp_ld(kp);
+        for (int d = 1; d < nd; d++) acc += qv[d] * lp_ld(kp + d * LP_VL);
+        scores[o] = scale * lp_hsum(acc);
+    }
+}
+
+/* acc = acc * corr + sum_o p[o] * v_o over the m values of a block (nd as above) */
+static inline __attribute__((always_inline)) void lp_block_values(
+    const int nd, float *acc, float corr, const float *p, const float *vb, int64_t tok_stride,
+    int64_t m, int64_t head_dim) {
+    if (nd == 0) {
+        if (corr != 1.0f) {
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) acc[d] *= corr;
+        }
+        for (int64_t o = 0; o < m; o++) lp_axpy(acc, p[o], vb + o * tok_stride, head_dim);
+        return;
+    }
+    lp_vf a[LP_MAX_ND];
+    for (int d = 0; d < nd; d++) a[d] = lp_ld(acc + d * LP_VL) * corr;
+    for (int64_t o = 0; o < m; o++) {
+        const float w = p[o];
+        const float *vp = vb + o * tok_stride;
+        for (int d = 0; d < nd; d++) a[d] += w * lp_ld(vp + d * LP_VL);
+    }
+    for (int d = 0; d < nd; d++) lp_st(acc + d * LP_VL, a[d]);
+}
+
+/* One (sequence, KV head) task: q and out at the group's first head; table, len: the
+ * sequence's blocks and keys; kv_off: the KV head's offset in a token slot. scores
+ * [group * block_size] and acc [group * head_dim] are the thread's scratch. */
+static inline __attribute__((always_inline)) void lp_decode_task(
+    const int nd, const float *q, float *out, const int64_t *table, int64_t len,
+    const float *k_cache, const float *v_cache, int64_t kv_off, int64_t block_size,
+    int64_t tok_stride, int64_t group, int64_t head_dim, float scale, float *scores,
+    float *acc) {
+    const int64_t blk_stride = block_size * tok_stride;
+    const int64_t line_floats = 64 / (int64_t)sizeof(float);
+    float mx[LP_MAX_GROUP], sum[LP_MAX_GROUP], corr[LP_MAX_GROUP];
+    for (int64_t h = 0; h < group; h++) {
+        mx[h] = -INFINITY;
+        sum[h] = 0.0f;
+    }
+    for (int64_t e = 0; e < group * head_dim; e++) acc[e] = 0.0f;
+    for (int64_t p0 = 0; p0 < len; p0 += block_size) {
+        const int64_t off = table[p0 / block_size] * blk_stride + kv_off;
+        const float *kb = k_cache + off, *vb = v_cache + off;
+        const int64_t m = len - p0 < block_size ? len - p0 : block_size;
+        if (p0 + block_size < len) { /* the next block: fetch it while this one computes */
+            const int64_t next = table[p0 / block_size + 1] * blk_stride + kv_off;
+            const int64_t rest = len - p0 - block_size;
+            const int64_t mn = rest < block_size ? rest : block_size;
+            for (int64_t o = 0; o < mn; o++)
+                for (int64_t d = 0; d < head_dim; d += line_floats) {
+                    __builtin_prefetch(k_cache + next + o * tok_stride + d, 0, 3);
+                    __builtin_prefetch(v_cache + next + o * tok_stride + d, 0, 3);
+                }
+        }
+        for (int64_t h = 0; h < group; h++)
+            lp_block_scores(nd, q + h * head_dim, kb, tok_stride, m, head_dim, scale,
+                            scores + h * block_size);
+        for (int64_t h = 0; h < group; h++) { /* online softmax: exp against the running max */
+            float *sh = scores + h * block_size;
+            float bm = mx[h];
+            for (int64_t o = 0; o < m; o++) bm = sh[o] > bm ? sh[o] : bm;
+            corr[h] = bm > mx[h] ? lp_exp(mx[h] - bm) : 1.0f; /* rescales the earlier blocks */
+            mx[h] = bm;
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t o = 0; o < m; o++) {
+                sh[o] = lp_exp(sh[o] - bm);
+                s += sh[o];
+            }
+            sum[h] = sum[h] * corr[h] + s;
+        }
+        for (int64_t h = 0; h < group; h++)
+            lp_block_values(nd, acc + h * head_dim, corr[h], scores + h * block_size, vb,
+                            tok_stride, m, head_dim);
+    }
+    for (int64_t h = 0; h < group; h++) {
+        const float inv = 1.0f / sum[h];
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; d++) out[h * head_dim + d] = acc[h * head_dim + d] * inv;
+    }
+}
+
 int lp_paged_decode_attention(const float *q, int64_t q_row_stride, const int64_t *rows, int64_t n,
                               const float *k_cache, const float *v_cache,
                               const int64_t *block_tables, int64_t width, const int64_t *seq_lens,
@@ -90,9 +189,7 @@ int lp_paged_decode_attention(const float *q, int64_t q_row_stride, const int64_
     for (int64_t i = 0; i < n; i++)
         if (seq_lens[i] < 1 || seq_lens[i] > width * block_size) return -1;
     const int64_t tok_stride = num_kv_heads * head_dim; /* one slot of one block */
-    const int64_t blk_stride = block_size * tok_stride;
-    const int64_t line_floats = 64 / (int64_t)sizeof(float);
-    const int vec = head_dim % LP_VL == 0;
+    const int64_t nd = head_dim % LP_VL == 0 ? head_dim / LP_VL : 0;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -106,72 +203,20 @@ int lp_paged_decode_attention(const float *q, int64_t q_row_stride, const int64_
         for (int64_t i = 0; i < n; i++) {
             for (int64_t g = 0; g < num_kv_heads; g++) {
                 if (scores == NULL || acc == NULL) continue;
-                const int64_t len = seq_lens[i];
-                const int64_t *table = block_tables + i * width;
                 const float *qg = q + rows[i] * q_row_stride + g * group * head_dim;
-                float mx[LP_MAX_GROUP], sum[LP_MAX_GROUP];
-                for (int64_t h = 0; h < group; h++) {
-                    mx[h] = -INFINITY;
-                    sum[h] = 0.0f;
-                }
-                for (int64_t e = 0; e < group * head_dim; e++) acc[e] = 0.0f;
-                /* one pass over the blocks: scores, online softmax, weighted values */
-                for (int64_t p0 = 0; p0 < len; p0 += block_size) {
-                    const int64_t off = table[p0 / block_size] * blk_stride + g * head_dim;
-                    const float *kb = k_cache + off, *vb = v_cache + off;
-                    const int64_t m = len - p0 < block_size ? len - p0 : block_size;
-                    if (p0 + block_size < len) { /* the next block: fetch while this one computes */
-                        const int64_t nxt = table[p0 / block_size + 1] * blk_stride + g * head_dim;
-                        const int64_t mn = len - p0 - block_size < block_size ? len - p0 - block_size : block_size;
-                        for (int64_t o = 0; o < mn; o++)
-                            for (int64_t d = 0; d < head_dim; d += line_floats) {
-                                __builtin_prefetch(k_cache + nxt + o * tok_stride + d, 0, 3);
-                                __builtin_prefetch(v_cache + nxt + o * tok_stride + d, 0, 3);
-                            }
-                    }
-                    for (int64_t o = 0; o < m; o++) {
-                        const float *kp = kb + o * tok_stride;
-                        for (int64_t h = 0; h < group; h++)
-                            scores[h * block_size + o] =
-                                scale * (vec ? lp_dot_vl(qg + h * head_dim, kp, head_dim)
-                                             : lp_dot(qg + h * head_dim, kp, head_dim));
-                    }
-                    for (int64_t h = 0; h < group; h++) {
-                        float *sh = scores + h * block_size;
-                        float bm = mx[h];
-                        for (int64_t o = 0; o < m; o++) bm = sh[o] > bm ? sh[o] : bm;
-                        if (bm > mx[h]) { /* rescale what was summed under the old maximum */
-                            const float corr = lp_exp(mx[h] - bm);
-                            sum[h] *= corr;
-                            float *ah = acc + h * head_dim;
-#pragma omp simd
-                            for (int64_t d = 0; d < head_dim; d++) ah[d] *= corr;
-                            mx[h] = bm;
-                        }
-                        float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                        for (int64_t o = 0; o < m; o++) {
-                            sh[o] = lp_exp(sh[o] - bm);
-                            s += sh[o];
-                        }
-                        sum[h] += s;
-                    }
-                    for (int64_t o = 0; o < m; o++) {
-                        const float *vp = vb + o * tok_stride;
-                        for (int64_t h = 0; h < group; h++)
-                            if (vec)
-                                lp_axpy_vl(acc + h * head_dim, scores[h * block_size + o], vp, head_dim);
-                            else
-                                lp_axpy(acc + h * head_dim, scores[h * block_size + o], vp, head_dim);
-                    }
-                }
                 float *og = out + rows[i] * out_row_stride + g * group * head_dim;
-                for (int64_t h = 0; h < group; h++) {
-                    const float inv = 1.0f / sum[h];
-#pragma omp simd
-                    for (int64_t d = 0; d < head_dim; d++)
-                        og[h * head_dim + d] = acc[h * head_dim + d] * inv;
+                const int64_t *table = block_tables + i * width;
+#define LP_TASK(c)                                                                        \
+    lp_decode_task(c, qg, og, table, seq_lens[i], k_cache, v_cache, g * head_dim, block_size, \
+                   tok_stride, group, head_dim, scale, scores, acc)
+                switch (nd) {
+                    case 1: LP_TASK(1); break;
+                    case 2: LP_TASK(2); break;
+                    case 4: LP_TASK(4); break;
+                    case 8: LP_TASK(8); break;
+                    default: LP_TASK(0); break;
                 }
+#undef LP_TASK
             }
         }
         free(scores);
