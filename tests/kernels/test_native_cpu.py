@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels import cpu_ops, native
-from tests.kernels.native_spy import LibSpy, install_spy
+from tests.kernels.native_spy import LibSpy
 
 # Without a compiler the wrappers run their torch paths and there is nothing to compare; on CI the
 # compiler is part of the image, so a missing library fails test_library_builds_and_loads there.
@@ -23,16 +23,6 @@ if native.library() is None and not os.environ.get("CI"):
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 ROWS = [1, 7, 64, 300]  # 64 and 300 rows of the wider shapes cross LP_PAR_MIN: the OpenMP branch
-
-
-@pytest.fixture
-def spy(monkeypatch: pytest.MonkeyPatch) -> LibSpy:
-    return install_spy(monkeypatch)
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    return torch.Generator().manual_seed(1234)
 
 
 def test_library_builds_and_loads() -> None:

@@ -14,23 +14,13 @@ from loraplex.engine.models.layers import Linear, PackedLinear
 from loraplex.engine.models.loader import load_model
 from loraplex.kernels import native, packed_gemm
 from tests.conftest import make_tiny_model
-from tests.kernels.native_spy import LibSpy, install_spy
+from tests.kernels.native_spy import LibSpy
 
 if native.library() is None and not os.environ.get("CI"):
     pytest.skip("native CPU kernels unavailable (no C compiler)", allow_module_level=True)
 
 # fp32 sums of up to 600 products in another order than MKL's
 TOL = dict(atol=2e-4, rtol=1e-4)
-
-
-@pytest.fixture
-def spy(monkeypatch: pytest.MonkeyPatch) -> LibSpy:
-    return install_spy(monkeypatch)
-
-
-@pytest.fixture
-def gen() -> torch.Generator:
-    return torch.Generator().manual_seed(4321)
 
 
 def width() -> int:
