@@ -102,8 +102,8 @@ def run_both(step: Step) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torc
     return ref_out, nat_out, ref_cache, nat_cache
 
 
-# GQA (group 3), MHA, a head_dim off the vector width, and head_dims of 1 and 8 AVX-512 vectors
-HEADS = [(9, 3, 64), (4, 4, 32), (6, 2, 20), (8, 2, 128), (2, 2, 16)]
+# GQA (group 3), MHA, a head_dim off the vector width, and head_dims of 1, 3 and 8 AVX-512 vectors
+HEADS = [(9, 3, 64), (4, 4, 32), (6, 2, 20), (8, 2, 128), (2, 2, 16), (4, 2, 48)]
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), HEADS)

@@ -14,7 +14,6 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from loraplex.kernels import cpu_ops, native, packed_gemm
@@ -78,9 +77,7 @@ class Linear(nn.Module):
         self.packed = packed_gemm.pack(self.weight.t())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)  # [T, out_features]
-        return packed_gemm.linear(x, self.weight, self.packed, self.bias)
+        return packed_gemm.linear(x, self.weight, self.packed, self.bias)  # [T, out_features]
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

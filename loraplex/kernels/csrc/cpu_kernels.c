@@ -61,7 +61,7 @@ static inline void lp_axpy(float *restrict y, float alpha, const float *restrict
  * Query head h reads KV head h / (num_heads / num_kv_heads), as Hugging Face's repeat_kv does.
  * One task per (sequence, KV head): its group of query heads over the sequence's blocks in one
  * pass with an online softmax, prefetching the next block while this one computes. When
- * head_dim is 1, 2, 4 or 8 vectors, the scores of LP_VL keys come out of one transpose tree
+ * head_dim is 1 to 8 vectors (up to 128 with AVX-512), the scores of LP_VL keys come out of one transpose tree
  * and the weighted values are summed in registers.
  * Returns 0, or -1 when an argument is out of range (nothing written).
  */
@@ -156,7 +156,8 @@ static inline __attribute__((always_inline)) void lp_decode_task(
             float *sh = scores + h * block_size;
             float bm = mx[h];
             for (int64_t o = 0; o < m; o++) bm = sh[o] > bm ? sh[o] : bm;
-            corr[h] = bm > mx[h] ? lp_exp(mx[h] - bm) : 1.0f; /* rescales the earlier blocks */
+            /* rescales the earlier blocks (on the first block, everything is still zero) */
+            corr[h] = bm > mx[h] ? lp_exp(mx[h] - bm) : 1.0f;
             mx[h] = bm;
             float s = 0.0f;
 #pragma omp simd reduction(+ : s)
@@ -212,7 +213,11 @@ int lp_paged_decode_attention(const float *q, int64_t q_row_stride, const int64_
                 switch (nd) {
                     case 1: LP_TASK(1); break;
                     case 2: LP_TASK(2); break;
+                    case 3: LP_TASK(3); break;
                     case 4: LP_TASK(4); break;
+                    case 5: LP_TASK(5); break;
+                    case 6: LP_TASK(6); break;
+                    case 7: LP_TASK(7); break;
                     case 8: LP_TASK(8); break;
                     default: LP_TASK(0); break;
                 }
