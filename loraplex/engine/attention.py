@@ -122,13 +122,20 @@ class PrefillSeq:
 
 
 @dataclass
-class TorchAttentionMetadata(AttentionMetadata):
-    # Decode rows (query length 1) of all requests, attended in one batched call per layer.
+class SplitAttentionMetadata(AttentionMetadata):
+    """A step split into decode rows (query length 1) and prefill chunks, which the torch-based
+    backends attend separately; each backend adds what its decode path reads."""
+
     decode_rows: torch.Tensor | slice  # [D] rows of the flat batch (a slice when contiguous)
     num_decodes: int
+    prefills: list[PrefillSeq]
+
+
+@dataclass
+class TorchAttentionMetadata(SplitAttentionMetadata):
+    # all decode rows attended in one batched, masked SDPA call per layer
     decode_block_tables: torch.Tensor  # [D, max_blocks] int64, padded with the null block
     decode_mask: torch.Tensor  # [D, 1, 1, max_blocks * block_size] additive: 0 or -inf
-    prefills: list[PrefillSeq]
 
 
 class TorchPagedAttention:
@@ -160,7 +167,7 @@ class TorchPagedAttention:
         # [layers, 2, num_blocks, ...]: one gather and one scatter over all layers at once
         kv_cache[:, :, dst] = kv_cache[:, :, src]
 
-    def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
+    def build_metadata(self, layout: BatchLayout) -> SplitAttentionMetadata:
         split = split_batch(layout)
         bs = layout.block_size
         if split.num_decodes:

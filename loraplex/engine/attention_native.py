@@ -23,7 +23,7 @@ import torch
 from loraplex.engine.attention import (
     AttentionMetadata,
     BatchLayout,
-    TorchAttentionMetadata,
+    SplitAttentionMetadata,
     TorchPagedAttention,
     split_batch,
 )
@@ -31,7 +31,7 @@ from loraplex.kernels import native
 
 
 @dataclass
-class NativeAttentionMetadata(TorchAttentionMetadata):
+class NativeAttentionMetadata(SplitAttentionMetadata):
     # host arrays the kernel reads through pointers; kept alive here for the whole step
     decode_rows_host: np.ndarray  # [D] int64 flat-batch row of each decode
     decode_tables_host: np.ndarray  # [D, W] int64 C-contiguous block tables
@@ -61,8 +61,6 @@ class NativePagedAttention(TorchPagedAttention):
             num_tokens=split.num_tokens,
             decode_rows=self._decode_rows(split.decode_rows),
             num_decodes=split.num_decodes,
-            decode_block_tables=torch.from_numpy(tables),
-            decode_mask=torch.empty(0),  # the kernel needs no mask: it stops at each seq_len
             prefills=self._prefill_seqs(layout, split),
             decode_rows_host=np.ascontiguousarray(split.decode_rows, dtype=np.int64),
             decode_tables_host=tables,

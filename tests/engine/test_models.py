@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraplex.engine.attention import TorchAttentionMetadata
+from loraplex.engine.attention import SplitAttentionMetadata
 from loraplex.engine.models.layers import PackedLinear, rope_inv_freq, rope_parameters
 from loraplex.engine.models.llama import LlamaForCausalLM
 from loraplex.engine.models.loader import build_spec, load_model
@@ -25,7 +25,7 @@ def our_logits(model: LlamaForCausalLM, ids: list[int], table: list[int]) -> tor
     backend = model.model.layers[0].self_attn.backend  # type: ignore[union-attr]
     assert backend is not None
     metadata = backend.build_metadata(layout)
-    assert isinstance(metadata, TorchAttentionMetadata)
+    assert isinstance(metadata, SplitAttentionMetadata)  # torch or native backend
     with torch.inference_mode():
         return model.compute_logits(model(input_ids, positions, metadata))
 
