@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy import func, select
 
 from loraplex.platform import tenants
+from loraplex.platform import usage as usage_reports
 from loraplex.platform.db.models import Tenant, UsageDaily, UsageRecord, utcnow
 from loraplex.webui import usage as usage_page
 from tests.webui.env import WebEnv, sign_in
@@ -21,8 +22,16 @@ from tests.webui.registry_web import field_errors, mount_pages, table_rows
 
 pytestmark = pytest.mark.anyio
 
-TODAY = utcnow().date()
 DAY = dt.timedelta(days=1)
+
+
+@pytest.fixture
+def today(monkeypatch: pytest.MonkeyPatch) -> dt.date:
+    """The reports' clock pinned for the test, so that the page's default range and the test's
+    expectations name the same days even when a run crosses midnight UTC."""
+    now = utcnow()
+    monkeypatch.setattr(usage_reports, "utcnow", lambda: now)
+    return now.date()
 
 
 @pytest.fixture
@@ -35,9 +44,9 @@ def web(tmp_path: Path) -> Iterator[WebEnv]:
         env.close()
 
 
-def seed(env: WebEnv) -> dict[str, int]:
+def seed(env: WebEnv, today: dt.date) -> dict[str, int]:
     """Usage of two tenants and the operator over the last days, raw rows and a roll-up."""
-    noon = dt.datetime.combine(TODAY, dt.time(12), tzinfo=dt.timezone.utc)
+    noon = dt.datetime.combine(today, dt.time(12), tzinfo=dt.timezone.utc)
     with env.platform.db.session() as session:
         ids = {
             name: tenants.create_tenant(session, "admin", name, quotas=tenants.Quotas()).id
@@ -69,7 +78,7 @@ def seed(env: WebEnv) -> dict[str, int]:
         session.add(
             UsageDaily(
                 tenant_id=ids["acme"],
-                day=TODAY - 5 * DAY,
+                day=today - 5 * DAY,
                 model="bot@1",
                 requests=4,
                 errors=1,
@@ -124,13 +133,13 @@ def page_sums(html: str) -> dict[tuple[str, str, str], list[int]]:
     return out
 
 
-async def test_the_table_adds_up_to_the_database(web: WebEnv) -> None:
-    seed(web)
+async def test_the_table_adds_up_to_the_database(web: WebEnv, today: dt.date) -> None:
+    seed(web, today)
     async with web.http() as http:
         await sign_in(http)
         page = await http.get("/admin/usage")
         assert page.status_code == 200
-        expected = db_sums(web, TODAY - 29 * DAY, TODAY)
+        expected = db_sums(web, today - 29 * DAY, today)
         assert page_sums(page.text) == expected
         assert len(expected) == 9  # the 40-day-old row is out of range; the roll-up is in
         # newest day first
@@ -147,20 +156,20 @@ async def test_the_table_adds_up_to_the_database(web: WebEnv) -> None:
         assert "<script" not in page.text.split("<main", 1)[1]
 
         # a wider range picks up the old row too
-        start = (TODAY - 60 * DAY).isoformat()
-        page = await http.get("/admin/usage", params={"start": start, "end": TODAY.isoformat()})
-        assert page_sums(page.text) == db_sums(web, TODAY - 60 * DAY, TODAY)
+        start = (today - 60 * DAY).isoformat()
+        page = await http.get("/admin/usage", params={"start": start, "end": today.isoformat()})
+        assert page_sums(page.text) == db_sums(web, today - 60 * DAY, today)
 
 
-async def test_filters_by_tenant_and_adapter(web: WebEnv) -> None:
-    seed(web)
+async def test_filters_by_tenant_and_adapter(web: WebEnv, today: dt.date) -> None:
+    seed(web, today)
     async with web.http() as http:
         await sign_in(http)
         page = await http.get("/admin/usage", params={"tenant": "acme"})
         sums = page_sums(page.text)
         assert {t for _, t, _ in sums} == {"acme"}
         expected = {
-            k: v for k, v in db_sums(web, TODAY - 29 * DAY, TODAY).items() if k[1] == "acme"
+            k: v for k, v in db_sums(web, today - 29 * DAY, today).items() if k[1] == "acme"
         }
         assert sums == expected
 
@@ -199,8 +208,8 @@ async def test_bad_filters_are_marked_inline(
             assert words in field_errors(page.text)[field]
 
 
-async def test_csv_export_has_the_same_rows_and_no_formulas(web: WebEnv) -> None:
-    seed(web)
+async def test_csv_export_has_the_same_rows_and_no_formulas(web: WebEnv, today: dt.date) -> None:
+    seed(web, today)
     async with web.http() as http:
         await sign_in(http)
         page = await http.get("/admin/usage", params={"tenant": "beta"})
@@ -209,9 +218,9 @@ async def test_csv_export_has_the_same_rows_and_no_formulas(web: WebEnv) -> None
         r = await http.get("/admin/usage.csv")
         assert r.status_code == 200
         assert r.headers["content-type"] == "text/csv; charset=utf-8"
-        start = (TODAY - 29 * DAY).isoformat()
+        start = (today - 29 * DAY).isoformat()
         assert r.headers["content-disposition"] == (
-            f'attachment; filename="loraplex-usage_{start}_{TODAY.isoformat()}.csv"'
+            f'attachment; filename="loraplex-usage_{start}_{today.isoformat()}.csv"'
         )
         assert r.headers["cache-control"] == "no-store"
         rows = list(csv.reader(io.StringIO(r.text)))
@@ -223,7 +232,7 @@ async def test_csv_export_has_the_same_rows_and_no_formulas(web: WebEnv) -> None
             return cell[1:] if cell.startswith("'") else cell
 
         got = {(d, unquote(t), unquote(m)): [int(x) for x in nums[:4]] for d, t, m, *nums in body}
-        assert got == db_sums(web, TODAY - 29 * DAY, TODAY)
+        assert got == db_sums(web, today - 29 * DAY, today)
         # formula-looking cells are text: quoted, and nothing else is
         for cell in (c for b in body for c in b):
             assert not cell.startswith(("=", "+", "-", "@")), cell
@@ -232,7 +241,7 @@ async def test_csv_export_has_the_same_rows_and_no_formulas(web: WebEnv) -> None
         assert "bot@1" in models
 
         r = await http.get("/admin/usage.csv", params={"tenant": "acme", "model": "bot@1"})
-        assert r.headers["content-disposition"].endswith(f'_{TODAY.isoformat()}_acme_bot_1.csv"')
+        assert r.headers["content-disposition"].endswith(f'_{today.isoformat()}_acme_bot_1.csv"')
         filtered = list(csv.reader(io.StringIO(r.text)))[1:]
         assert filtered and all(row[1:3] == ["acme", "bot@1"] for row in filtered)
 
@@ -244,9 +253,9 @@ def test_csv_cells_are_never_formulas() -> None:
         assert usage_page.csv_cell(value) == str(value)
 
 
-async def test_a_deleted_tenants_usage_goes_with_it(web: WebEnv) -> None:
+async def test_a_deleted_tenants_usage_goes_with_it(web: WebEnv, today: dt.date) -> None:
     """Rows of a tenant deleted since are gone with it; the operator's rows stay."""
-    ids = seed(web)
+    ids = seed(web, today)
     with web.platform.db.session() as session:
         tenants.delete_tenant(session, "admin", session.get(Tenant, ids["beta"]))
     async with web.http() as http:
