@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from loraplex.kernels import native
 
-# Up to here the packed kernel beats MKL on the 2-core CI machine (1.3-2x at 8-64 rows, even at
-# 128); beyond it the BLAS is as fast or faster and the unpacked weight is used.
+# Up to here the packed kernel beats MKL on the 2-core CI machine (1.2-2x at 8-64 rows, about
+# even at 128); beyond it the BLAS is as fast or faster and the unpacked weight is used.
 PACKED_MAX_ROWS = 128
 
 

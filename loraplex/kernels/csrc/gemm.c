@@ -2,8 +2,8 @@
  *
  * At 1 to ~100 rows a linear layer is bound by streaming its weight from memory, and a BLAS
  * sgemm pays there for packing W on every call and for prefetching too little of it: on the
- * 2-core CI machine MKL reaches 40-120 GFLOP/s at 8-32 rows where this kernel reaches 75-175.
- * loraplex packs each weight once at load time and calls this below PACKED_MAX_ROWS rows
+ * 2-core CI machine MKL reaches 40-130 GFLOP/s at 8-32 rows where this kernel reaches 80-155.
+ * loraplex packs each weight once at load time and calls this up to PACKED_MAX_ROWS rows
  * (loraplex/kernels/packed_gemm.py); larger batches (prefill chunks) go to torch.
  *
  * Packed layout: W [K, N] becomes [ceil(N / LP_NR)][K][LP_NR], column panels of LP_NR (two
