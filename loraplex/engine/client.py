@@ -11,11 +11,14 @@ This module imports no torch, so the server can import it cheaply.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from loraplex.engine.adapter_table import OPERATOR_OWNER, AdapterTable, Release
 from loraplex.engine.output_processor import sample_ids
 from loraplex.engine.records import EngineCoreOutput, TokenLogprobs
 from loraplex.engine.request import Request
@@ -24,12 +27,17 @@ from loraplex.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from loraplex.lora.adapter import LoRAAdapter
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
+    "OPERATOR_OWNER",
     "AdapterInfo",
+    "AdapterNotLoadedError",
     "EngineClient",
     "EngineDeadError",
     "EngineInfo",
     "EngineStartupError",
+    "Release",
     "RequestDelta",
     "StreamingClient",
     "build_core_requests",
@@ -90,8 +98,22 @@ class EngineStartupError(RuntimeError):
     """The engine could not start (bad model directory, too little KV memory, ...)."""
 
 
+class AdapterNotLoadedError(ValueError):
+    """``generate`` named an adapter the engine holds for no owner (removed, or never added)."""
+
+
 class EngineClient(ABC):
+    """The engine's front for the platform. Adapters are reference-counted by owner (see
+    ``adapter_table``): ``add_lora`` / ``retain_lora`` take a reference, ``release_lora`` drops
+    one; the engine copy goes with the last reference, once no request uses it. Subclasses call
+    ``_init_adapters`` when built, ``_lora_request_started`` / ``_lora_request_ended`` around
+    each request on an adapter, and provide the engine calls ``_load_lora`` / ``_unload_lora``.
+    """
+
     info: EngineInfo  # available after start()
+    _loras: AdapterTable
+    _lora_lock: asyncio.Lock  # held across every engine call that adds or removes an adapter
+    _retiring: set[asyncio.Task[None]]
 
     @abstractmethod
     async def start(self) -> None: ...
@@ -119,12 +141,109 @@ class EngineClient(ABC):
     async def abort(self, request_id: str) -> None:
         """Abort every unfinished sample; each yields a last delta with finish_reason "abort"."""
 
-    @abstractmethod
-    async def add_lora(self, name: str, path: str, pinned: bool = False) -> AdapterInfo:
-        """Load and validate an adapter; raises ``AdapterError`` (with its ``code``) when bad."""
+    # ---- adapters ----------------------------------------------------------------------
+
+    def _init_adapters(self) -> None:
+        self._loras = AdapterTable()
+        self._lora_lock = asyncio.Lock()
+        self._retiring = set()
 
     @abstractmethod
-    async def remove_lora(self, key: str) -> None: ...
+    async def _load_lora(self, name: str, path: str, pinned: bool) -> AdapterInfo:
+        """The engine call: load and validate the adapter at ``path`` (``AdapterError``)."""
+
+    @abstractmethod
+    async def _unload_lora(self, key: str) -> None:
+        """The engine call: forget ``key`` (``ValueError`` while the engine still runs
+        requests on it)."""
+
+    async def add_lora(
+        self, name: str, path: str, pinned: bool = False, *, owner: str = OPERATOR_OWNER
+    ) -> AdapterInfo:
+        """Load and validate an adapter for ``owner``; raises ``AdapterError`` (with its
+        ``code``) when bad. Loading content the engine already holds adds a reference."""
+        async with self._lora_lock:
+            info = await self._load_lora(name, path, pinned)
+            self._loras.record(info, name, path, pinned, owner)
+        return info
+
+    def retain_lora(self, key: str, owner: str, path: str) -> bool:
+        """Add ``owner``'s reference to the engine's copy of ``key`` (read from ``path`` once
+        the others let go); False when the engine holds no such copy: ``add_lora`` it."""
+        return self._loras.retain(key, owner, path)
+
+    def has_lora(self, key: str) -> bool:
+        """Whether new requests may use ``key``."""
+        return self._loras.usable(key)
+
+    def lora_owners(self, key: str) -> frozenset[str]:
+        return self._loras.owners(key)
+
+    def lora_keys(self, owner: str) -> list[str]:
+        """The adapters ``owner`` holds a reference to."""
+        return self._loras.keys_of(owner)
+
+    async def release_lora(self, key: str, *, owner: str = OPERATOR_OWNER) -> Release:
+        """Drop ``owner``'s reference to ``key``. The engine copy stays while another owner
+        holds it, and while requests run on it (new ones are refused); ``removed`` resolves
+        True once it is gone, False when another reference kept it."""
+        async with self._lora_lock:
+            release = self._loras.release(key, owner)
+            if release.repoint is not None:
+                held = self._loras.get(key)
+                assert held is not None
+                # The engine re-reads the files of an owner that still holds them (a dead
+                # engine's restart loads it from the new source).
+                with contextlib.suppress(EngineDeadError):
+                    await self._load_lora(held.name, release.repoint, held.pinned)
+            if release.remove_now:
+                await self._remove_retired(key)
+        return release
+
+    async def remove_lora(self, key: str) -> None:
+        """The operator's unload: drops the operator's reference; refused (``ValueError``)
+        while requests use the adapter and no other owner keeps it."""
+        held = self._loras.get(key)
+        if held is not None and held.users and held.paths.keys() <= {OPERATOR_OWNER}:
+            raise ValueError(
+                f"adapter {held.name!r} is in use by {held.users} request(s); wait for them "
+                "to finish or abort them, then remove it"
+            )
+        await self.release_lora(key, owner=OPERATOR_OWNER)
+
+    def _check_lora(self, lora_key: str | None) -> None:
+        if lora_key is not None and not self._loras.usable(lora_key):
+            raise AdapterNotLoadedError(f"adapter {lora_key[:12]} is not loaded; add it first")
+
+    def _lora_request_started(self, lora_key: str | None) -> None:
+        if lora_key is not None:
+            self._loras.started(lora_key)
+
+    def _lora_request_ended(self, lora_key: str | None) -> None:
+        if lora_key is not None and self._loras.ended(lora_key):
+            task = asyncio.get_running_loop().create_task(self._retire(lora_key))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+
+    async def _retire(self, key: str) -> None:
+        async with self._lora_lock:
+            if self._loras.removal_due(key):
+                await self._remove_retired(key)
+
+    async def _remove_retired(self, key: str) -> None:
+        """Remove a copy no owner holds and no request uses (call with the lock held)."""
+        for attempt in range(50):
+            try:
+                await self._unload_lora(key)
+                break
+            except EngineDeadError:
+                break  # a dead engine forgets its adapters; the restart does not add it
+            except ValueError:  # the engine still runs an aborted request: it goes next step
+                if attempt == 49:
+                    logger.error("adapter %s stays in the engine: still in use", key[:12])
+                    return
+                await asyncio.sleep(0.02)
+        self._loras.drop(key)
 
     @abstractmethod
     async def stats(self) -> dict[str, Any]:
@@ -205,6 +324,7 @@ class _Stream:
 
     request_id: str
     queue: asyncio.Queue[RequestDelta | BaseException]
+    lora_key: str | None
     unfinished: dict[str, int] = field(default_factory=dict)  # sample id -> index
 
 
@@ -219,7 +339,7 @@ class StreamingClient(EngineClient):
     def __init__(self) -> None:
         self._streams: dict[str, _Stream] = {}
         self._sample_of: dict[str, _Stream] = {}
-        self._adapters: dict[str, tuple[str, str, bool]] = {}  # key -> (name, path, pinned)
+        self._init_adapters()
         self._accepting = True
         self._idle = asyncio.Event()  # set while no request is in flight
         self._idle.set()
@@ -261,8 +381,7 @@ class StreamingClient(EngineClient):
     ) -> AsyncGenerator[RequestDelta, None]:
         self._check_serving()
         validate_prompt(self.info, prompt_token_ids)
-        if lora_key is not None and lora_key not in self._adapters:
-            raise ValueError(f"adapter {lora_key[:12]} is not loaded; add it first")
+        self._check_lora(lora_key)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         requests = build_core_requests(
@@ -282,11 +401,14 @@ class StreamingClient(EngineClient):
         self._check_serving()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = _Stream(request_id, asyncio.Queue())
+        lora_key = requests[0].lora_key if requests else None
+        self._check_lora(lora_key)  # it may have been removed since ``generate``
+        stream = _Stream(request_id, asyncio.Queue(), lora_key)
         for i, req in enumerate(requests):
             stream.unfinished[req.request_id] = i
             self._sample_of[req.request_id] = stream
         self._streams[request_id] = stream
+        self._lora_request_started(lora_key)
         self._idle.clear()
         remaining = len(requests)
         try:
@@ -380,6 +502,7 @@ class StreamingClient(EngineClient):
     def _forget(self, stream: _Stream) -> None:
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
+            self._lora_request_ended(stream.lora_key)
         if not self._streams:
             self._idle.set()
 

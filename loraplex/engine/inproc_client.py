@@ -121,19 +121,16 @@ class InprocEngineClient(StreamingClient):
 
     # ---- adapters, stats, shutdown ---------------------------------------------------------
 
-    async def add_lora(self, name: str, path: str, pinned: bool = False) -> AdapterInfo:
+    async def _load_lora(self, name: str, path: str, pinned: bool) -> AdapterInfo:
         async with self._lock:
             core = self._use_core()
             adapter = await self._in_thread(core.add_lora, name, path, pinned)
-        info = AdapterInfo.from_adapter(adapter)
-        self._adapters[info.key] = (name, path, pinned)
-        return info
+        return AdapterInfo.from_adapter(adapter)
 
-    async def remove_lora(self, key: str) -> None:
+    async def _unload_lora(self, key: str) -> None:
         async with self._lock:
             core = self._use_core()
             core.remove_lora(key)
-        self._adapters.pop(key, None)
 
     async def stats(self) -> dict[str, Any]:
         async with self._lock:

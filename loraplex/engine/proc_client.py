@@ -173,7 +173,10 @@ class ProcEngineClient(StreamingClient):
         assert self._loop is not None
         ctx = multiprocessing.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe()
-        adapters = [AdapterSpec(n, p, pin, key) for key, (n, p, pin) in self._adapters.items()]
+        adapters = [
+            AdapterSpec(held.name, held.source, held.pinned, held.info.key)
+            for held in self._loras.held()
+        ]
         proc = ctx.Process(
             target=run_engine,
             args=(child_conn, self.config, self.model_dir, adapters, self.num_threads),
@@ -221,7 +224,8 @@ class ProcEngineClient(StreamingClient):
                     spec.key[:12],
                     result if isinstance(result, str) else "its files changed",
                 )
-                self._adapters.pop(spec.key, None)
+                self._loras.drop(spec.key)
+        self._loras.drop_unowned()
         self._healthy = True
 
     def _on_message(self, gen: int, msg: Message) -> None:
@@ -341,14 +345,12 @@ class ProcEngineClient(StreamingClient):
 
     # ---- adapters, stats, shutdown ---------------------------------------------------------
 
-    async def add_lora(self, name: str, path: str, pinned: bool = False) -> AdapterInfo:
+    async def _load_lora(self, name: str, path: str, pinned: bool) -> AdapterInfo:
         info: AdapterInfo = await self._call("add_lora", name, path, pinned)
-        self._adapters[info.key] = (name, path, pinned)
         return info
 
-    async def remove_lora(self, key: str) -> None:
+    async def _unload_lora(self, key: str) -> None:
         await self._call("remove_lora", key)
-        self._adapters.pop(key, None)
 
     async def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = await self._call("stats")

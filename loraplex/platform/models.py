@@ -95,10 +95,6 @@ class ModelResolver:
             raise model_not_found(name)
         return ResolvedModel(entry.name, entry.adapter.key, caller.cache_extra_keys)
 
-    def operator_keys(self) -> set[str]:
-        """Content hashes of the operator's adapters (the engine holds them for the operator)."""
-        return {e.adapter.key for e in self._adapters.values() if e.adapter is not None}
-
     def list_models(self, caller: Caller) -> list[ModelEntry]:
         base = ModelEntry(self.base_name, self._created, None)
         return [base, *sorted(self._adapters.values(), key=lambda e: e.name)]

@@ -298,6 +298,47 @@ def test_adapters_through_the_client(
     assert_engine_idle(served)
 
 
+def test_adapter_references_across_owners(served: Served, adapter_dir: str, tmp_path: Path) -> None:
+    """One engine copy per content, counted by owner: a release leaves it for the others, and
+    the last release waits for the requests still running on it (new ones are refused)."""
+    client = served.client
+    prompt = [9, 10, 11, 12, 13]
+    short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    copy = tmp_path / "copy"  # the same content at another path: the registry's own files
+    copy.mkdir()
+    for f in Path(adapter_dir).iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+
+    op = served.run(client.add_lora("a8", adapter_dir))
+    reg = served.run(client.add_lora("t/a8@1", str(copy), owner="registry"))
+    assert reg.key == op.key and client.lora_owners(op.key) == {"operator", "registry"}
+    assert served.run(client.stats())["lora_registered"] == 1  # one engine copy
+
+    served.run(client.remove_lora(op.key))  # the operator's unload: the registry keeps it
+    assert client.has_lora(op.key) and client.lora_owners(op.key) == {"registry"}
+    assert served.run(collect(client.generate("r1", prompt, short, lora_key=op.key)))
+
+    async def release_while_running() -> tuple[bool, bool]:
+        stream = client.generate("r2", prompt, LONG, lora_key=op.key)
+        await stream.__anext__()
+        release = await client.release_lora(op.key, owner="registry")
+        waiting = not release.removed.done()
+        with pytest.raises(ValueError, match="not loaded"):  # retiring: no new requests
+            client.generate("r3", prompt, short, lora_key=op.key)
+        await stream.aclose()  # the last request on it ends: now it goes
+        return waiting, await asyncio.wait_for(release.removed, 10)
+
+    assert served.run(release_while_running()) == (True, True)
+    assert not client.has_lora(op.key)
+    assert served.run(client.stats())["lora_registered"] == 0
+    assert client.retain_lora(op.key, "registry", str(copy)) is False  # gone: add it again
+    again = served.run(client.add_lora("t/a8@2", str(copy), owner="registry"))
+    assert again.key == op.key and client.has_lora(op.key)
+    served.run(client.release_lora(op.key, owner="registry"))
+    assert served.run(client.stats())["lora_registered"] == 0
+    assert_engine_idle(served)
+
+
 @pytest.mark.parametrize(
     ("prompt", "field"),
     [([], "prompt"), ([5, 512], "prompt_token_ids"), ([5, -1], "prompt_token_ids"),

@@ -63,9 +63,11 @@ class FakeEngineClient(EngineClient):
     aborted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     adapters: dict[str, AdapterInfo] = field(default_factory=dict)
+    running_on: dict[str, int] = field(default_factory=dict)  # adapter key -> running requests
     started: bool = False
 
     def __post_init__(self) -> None:
+        self._init_adapters()
         self.info = EngineInfo(
             model_dir=self.model_dir,
             max_model_len=self.max_model_len,
@@ -97,13 +99,17 @@ class FakeEngineClient(EngineClient):
         if not self.alive:
             raise EngineDeadError("the fake engine is dead")
         validate_prompt(self.info, prompt_token_ids)
-        if lora_key is not None and lora_key not in self.adapters:
-            raise ValueError(f"adapter {lora_key[:12]} is not loaded; add it first")
+        self._check_lora(lora_key)
         sub = Submitted(request_id, list(prompt_token_ids), params, lora_key, cache_extra_keys)
         return self._run(sub)
 
     async def _run(self, sub: Submitted) -> AsyncIterator[RequestDelta]:
+        self._check_lora(sub.lora_key)
         self.submitted.append(sub)
+        self._lora_request_started(sub.lora_key)
+        key = sub.lora_key
+        if key is not None:
+            self.running_on[key] = self.running_on.get(key, 0) + 1
         params = sub.params
         n = params.n
         limit = self.max_model_len - len(sub.prompt_token_ids)
@@ -140,13 +146,16 @@ class FakeEngineClient(EngineClient):
                 step += 1
             self.finished.append(sub.request_id)
         finally:
+            if key is not None:
+                self.running_on[key] -= 1
+            self._lora_request_ended(sub.lora_key)
             if not all(done):
                 self.aborted.append(sub.request_id)
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
-    async def add_lora(self, name: str, path: str, pinned: bool = False) -> AdapterInfo:
+    async def _load_lora(self, name: str, path: str, pinned: bool) -> AdapterInfo:
         from loraplex.lora.adapter import AdapterError
 
         if not Path(path, "adapter_config.json").is_file():
@@ -156,7 +165,14 @@ class FakeEngineClient(EngineClient):
         self.adapters[key] = info
         return info
 
-    async def remove_lora(self, key: str) -> None:
+    def lose_adapter(self, key: str) -> None:
+        """The engine loses its copy, as when a restart cannot load it again."""
+        self.adapters.pop(key, None)
+        self._loras.drop(key)
+
+    async def _unload_lora(self, key: str) -> None:
+        if self.running_on.get(key):  # as the engine core does
+            raise ValueError(f"adapter {key[:12]} is in use by {self.running_on[key]} request(s)")
         self.adapters.pop(key, None)
 
     async def stats(self) -> dict[str, Any]:

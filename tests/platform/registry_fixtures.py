@@ -134,7 +134,7 @@ class RegistryEngine(FakeEngineClient):
         super().__post_init__()
         self.info = RankedEngineInfo(**vars(self.info), max_lora_rank=self.advertised_rank)
 
-    async def add_lora(self, name: str, path: str, pinned: bool = False) -> AdapterInfo:
+    async def _load_lora(self, name: str, path: str, pinned: bool) -> AdapterInfo:
         from transformers import AutoConfig
 
         from loraplex.lora.adapter import BaseModelInfo, load_adapter
@@ -149,7 +149,9 @@ class RegistryEngine(FakeEngineClient):
         self.adapters[info.key] = info
         return info
 
-    async def remove_lora(self, key: str) -> None:
+    async def _unload_lora(self, key: str) -> None:
+        if self.running_on.get(key):  # as the engine core does
+            raise ValueError(f"adapter {key[:12]} is in use by {self.running_on[key]} request(s)")
         self.removed.append(key)
         self.adapters.pop(key, None)
 
