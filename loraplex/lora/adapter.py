@@ -5,9 +5,12 @@ and ``adapter_model.safetensors``. Only ``json`` and ``safetensors`` ever read i
 unpickled. Every check raises :class:`AdapterError` with a ``code`` and a message that says what
 to change, so an upload fails at upload time, never at the first request.
 
-Order of checks: files → config → safetensors header (parsed and verified by
-:mod:`loraplex.lora.archive` before the ``safetensors`` library sees the file) → tensor names and
-shapes against the base model → tensor values (finite).
+Order of checks: files → config → safetensors header (read bounded from the file, parsed and
+verified by :mod:`loraplex.lora.archive`) → tensor names and shapes against the base model, before
+any tensor data is read → tensor values (finite), read one tensor at a time through a fixed-size
+buffer and hashed as they are read. :func:`check_adapter` runs every check and computes the
+content hash without keeping the weights (the platform validates uploads with it, in memory of
+one buffer); :func:`load_adapter` runs the same pass keeping each tensor as float32.
 
 Tenant-supplied regular expressions (``target_modules`` as a string, ``rank_pattern`` and
 ``alpha_pattern`` keys, ``layers_pattern``) are evaluated with the ``regex`` module under one
@@ -16,13 +19,15 @@ shared time budget, so a pathological pattern cannot stall the process.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import json
 import math
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -32,13 +37,13 @@ import torch
 
 from loraplex.lora.archive import (
     CONFIG_NAME,
+    FLOAT_DTYPES,
     WEIGHTS_NAME,
     AdapterError,
+    SafetensorsFile,
     TensorInfo,
     extract_archive,
-    load_safetensors,
     loads_strict,
-    parse_safetensors_header,
     read_bounded,
     short_repr,
 )
@@ -48,8 +53,10 @@ __all__ = [
     "SUPPORTED_MODULES",
     "WEIGHTS_NAME",
     "AdapterError",
+    "AdapterSummary",
     "BaseModelInfo",
     "LoRAAdapter",
+    "check_adapter",
     "extract_archive",
     "load_adapter",
 ]
@@ -147,6 +154,25 @@ class BaseModelInfo:
 
 
 @dataclass(frozen=True, eq=False)
+class AdapterSummary:
+    """What validating an adapter establishes, without its weights (:func:`check_adapter`).
+
+    The fields mean what :class:`LoRAAdapter`'s of the same names mean; ``content_hash`` is the
+    same value ``load_adapter`` gives for the same files.
+    """
+
+    rank: int
+    alpha: float
+    scaling: float
+    target_modules: tuple[str, ...]
+    content_hash: str
+    size_bytes: int  # float32 bytes of the weights, as the engine holds them
+    base_model_name_or_path: str | None
+    scalings: dict[ModuleKey, float]
+    use_rslora: bool = False
+
+
+@dataclass(frozen=True, eq=False)
 class LoRAAdapter:
     """A validated adapter, ready for the engine: ``y += scaling * (x @ A.T) @ B.T`` per module.
 
@@ -202,10 +228,31 @@ def load_adapter(
     this returns or raises: nothing is left on disk either way. ``max_bytes`` bounds the extracted
     archive and the weights file. A directory ``source`` is trusted as a local path (the operator's
     or the platform's own storage): its files may be symlinks, as in the Hugging Face cache.
+    Memory: the float32 weights, plus one read buffer.
     """
-    source = Path(source)
+    with _adapter_dir(Path(source), max_bytes) as (directory, stem):
+        summary, weights = _read_dir(directory, base, max_rank, max_bytes, keep_weights=True)
+    fields = {f.name: getattr(summary, f.name) for f in dataclasses.fields(summary)}
+    return LoRAAdapter(name=name or stem, weights=weights, **fields)
+
+
+def check_adapter(
+    source: str | Path, base: BaseModelInfo, *, max_rank: int, max_bytes: int = 2 << 30
+) -> AdapterSummary:
+    """Every check :func:`load_adapter` makes, and the same content hash, without keeping the
+    weights: memory stays one read buffer whatever the file's size (upload validation)."""
+    with _adapter_dir(Path(source), max_bytes) as (directory, _):
+        summary, _ = _read_dir(directory, base, max_rank, max_bytes, keep_weights=False)
+    return summary
+
+
+@contextlib.contextmanager
+def _adapter_dir(source: Path, max_bytes: int) -> Iterator[tuple[Path, str]]:
+    """The directory holding the adapter's files (an archive extracted into a temporary one,
+    removed on exit), and the adapter's default name."""
     if source.is_dir():
-        return _load_dir(source, base, max_rank, name or source.name, max_bytes)
+        yield source, source.name
+        return
     if not source.is_file():
         raise AdapterError(
             "missing_file",
@@ -214,8 +261,7 @@ def load_adapter(
         )
     tmp = Path(tempfile.mkdtemp(prefix="loraplex-adapter-"))
     try:
-        adapter_dir = extract_archive(source, tmp / "x", max_bytes=max_bytes)
-        return _load_dir(adapter_dir, base, max_rank, name or _archive_stem(source), max_bytes)
+        yield extract_archive(source, tmp / "x", max_bytes=max_bytes), _archive_stem(source)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -243,29 +289,39 @@ class _Config:
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
 
 
-def _load_dir(
-    directory: Path, base: BaseModelInfo, max_rank: int, name: str, max_bytes: int
-) -> LoRAAdapter:
+Weights = dict[ModuleKey, tuple[torch.Tensor, torch.Tensor]]  # (A [r, in], B [out, r])
+
+
+def _read_dir(
+    directory: Path, base: BaseModelInfo, max_rank: int, max_bytes: int, *, keep_weights: bool
+) -> tuple[AdapterSummary, Weights]:
+    """One pass over the adapter's files: config, header, names and shapes (no tensor data
+    read yet; the shape checks bound every tensor by ``max_rank`` and the base model), then
+    each tensor in hash order, hashed and checked finite chunk by chunk. ``weights`` is empty
+    unless ``keep_weights``."""
     _check_files(directory)
     cfg = _parse_config(_read_json(directory / CONFIG_NAME), base, max_rank)
-    data = read_bounded(directory / WEIGHTS_NAME, max_bytes)
-    header = parse_safetensors_header(data)
-    pairs = _pair_tensors(header, base, cfg)
-    weights = _load_weights(data, header, pairs)
-    scalings = {k: cfg.scaling(cfg.ranks[k], cfg.alphas[k]) for k in pairs}
-    return LoRAAdapter(
-        name=name,
+    with SafetensorsFile(directory / WEIGHTS_NAME, max_bytes) as st:
+        pairs = _pair_tensors(st.header, base, cfg)
+        scalings = {k: cfg.scaling(cfg.ranks[k], cfg.alphas[k]) for k in pairs}
+        digest = _hash_manifest(st.header, pairs, cfg, scalings)
+        weights: Weights = {}
+        for key in sorted(pairs):  # the hash's order
+            a, b = (_read_tensor(st, n, digest, keep_weights) for n in pairs[key])
+            if a is not None and b is not None:
+                weights[key] = (a, b)
+    summary = AdapterSummary(
         rank=max(cfg.ranks[k] for k in pairs),
         alpha=cfg.alpha,
         scaling=cfg.scaling(cfg.r, cfg.alpha),
         target_modules=tuple(sorted({m for _, m in pairs})),
-        weights=weights,
-        content_hash=_content_hash(data, header, pairs, cfg, scalings),
-        size_bytes=sum(a.nbytes + b.nbytes for a, b in weights.values()),
+        content_hash=digest.hexdigest(),
+        size_bytes=sum(4 * math.prod(st.header[n].shape) for ab in pairs.values() for n in ab),
         base_model_name_or_path=cfg.base_model_name_or_path,
         scalings=scalings,
         use_rslora=cfg.use_rslora,
     )
+    return summary, weights
 
 
 def _check_files(directory: Path) -> None:
@@ -664,36 +720,39 @@ def _mismatch(problem: str, cfg: _Config, base: BaseModelInfo) -> AdapterError:
     )
 
 
-def _load_weights(
-    data: bytes, header: dict[str, TensorInfo], pairs: dict[ModuleKey, tuple[str, str]]
-) -> dict[ModuleKey, tuple[torch.Tensor, torch.Tensor]]:
-    tensors = load_safetensors(data, header)
-    out = {}
-    for key, names in sorted(pairs.items()):
-        a, b = (_as_float32(n, tensors[n]) for n in names)
-        out[key] = (a, b)
+def _read_tensor(
+    st: SafetensorsFile, name: str, digest: hashlib._Hash, keep: bool
+) -> torch.Tensor | None:
+    """Hash tensor ``name``'s stored bytes into ``digest`` and check them finite, one buffer at
+    a time; the tensor as float32 when ``keep`` (else None: nothing is kept)."""
+    info = st.header[name]
+    dtype = FLOAT_DTYPES[info.dtype][0]
+    out = torch.empty(info.shape, dtype=torch.float32) if keep else None
+    flat = out.view(-1) if out is not None else None  # [numel]
+    pos = 0
+    for chunk in st.chunks(name):
+        digest.update(chunk)
+        values = torch.frombuffer(chunk, dtype=dtype)  # [chunk numel], a view of the buffer
+        if not bool(torch.isfinite(values).all()):
+            raise AdapterError(
+                "nan_weights",
+                f"tensor {short_repr(name)} contains NaN or Inf values; the training diverged: "
+                f"retrain (e.g. with a lower learning rate) or fix the checkpoint",
+            )
+        if flat is not None:
+            flat[pos : pos + values.numel()].copy_(values)
+        pos += values.numel()
     return out
 
 
-def _as_float32(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    out = tensor.to(torch.float32, copy=True).contiguous()
-    if not bool(torch.isfinite(out).all()):
-        raise AdapterError(
-            "nan_weights",
-            f"tensor {short_repr(name)} contains NaN or Inf values; the training diverged: "
-            f"retrain (e.g. with a lower learning rate) or fix the checkpoint",
-        )
-    return out
-
-
-def _content_hash(
-    data: bytes,
+def _hash_manifest(
     header: dict[str, TensorInfo],
     pairs: dict[ModuleKey, tuple[str, str]],
     cfg: _Config,
     scalings: dict[ModuleKey, float],
-) -> str:
-    """SHA-256 over what the adapter computes: per module rank and scaling, then every tensor.
+) -> hashlib._Hash:
+    """The content hash, started: SHA-256 over what the adapter computes, per module rank and
+    scaling, then (fed by :func:`_read_tensor`, in sorted module order, A then B) every tensor.
 
     Tensors are named canonically (``layers.{i}.{module}.lora_{A|B}``) and hashed in sorted order
     with dtype, shape and the stored bytes, so file order, the ``.default`` segment, config fields
@@ -712,9 +771,4 @@ def _content_hash(
         ],
     }
     blob = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
-    h = hashlib.sha256(len(blob).to_bytes(8, "little") + blob)
-    view = memoryview(data)
-    for key in keys:
-        for n in pairs[key]:
-            h.update(view[header[n].begin : header[n].end])
-    return h.hexdigest()
+    return hashlib.sha256(len(blob).to_bytes(8, "little") + blob)

@@ -9,8 +9,10 @@ the moment the total passes ``max_bytes`` (a zip bomb writes at most ``max_bytes
 tar, the decompressed stream itself is metered too, so a header bomb (a huge GNU long-name or pax
 record, read by ``tarfile`` into memory) stops at a small fixed budget.
 
-A safetensors header is parsed and verified here (offsets inside the file, sizes equal to
-dtype × shape, ranges tiling the data section) before the ``safetensors`` library sees the file.
+A safetensors file is read here from disk (:class:`SafetensorsFile`): its header, bounded, is
+parsed and verified (offsets inside the file, sizes equal to dtype × shape, ranges tiling the
+data section) before a byte of tensor data is read, and tensor data is then read one tensor at a
+time through a fixed-size buffer: nothing reads the weights file whole.
 
 This module also defines :class:`AdapterError`, the one error type of adapter loading; the LoRA
 meaning of the files is checked in :mod:`loraplex.lora.adapter`.
@@ -35,8 +37,6 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as safetensors_load
 
 AdapterErrorCode = Literal[
     "missing_file",
@@ -367,15 +367,20 @@ def _remove_contents(root: Path, *, remove_root: bool) -> None:
 # --- bounded reads and strict JSON ---------------------------------------------------------------
 
 
+def file_too_large(name: str, limit: int) -> AdapterError:
+    return AdapterError(
+        "too_large",
+        f"{name} is larger than {limit} bytes; lower the rank or the number of target "
+        f"modules, or ask the operator to raise the adapter size limit",
+    )
+
+
 def read_bounded(path: Path, limit: int) -> bytes:
+    """A small file (a config) read whole, refused past ``limit`` bytes."""
     with path.open("rb") as f:
         data = f.read(limit + 1)
     if len(data) > limit:
-        raise AdapterError(
-            "too_large",
-            f"{path.name} is larger than {limit} bytes; lower the rank or the number of target "
-            f"modules, or ask the operator to raise the adapter size limit",
-        )
+        raise file_too_large(path.name, limit)
     return data
 
 
@@ -400,7 +405,7 @@ def _no_constant(token: str) -> Any:
     raise ValueError(f"{token} is not a number")
 
 
-# --- safetensors: parsed and verified here, loaded by the library --------------------------------
+# --- safetensors: parsed, verified and read here, from the file ---------------------------------
 
 
 @dataclass(frozen=True)
@@ -419,31 +424,78 @@ def _bad_safetensors(problem: str) -> AdapterError:
     )
 
 
-def parse_safetensors_header(data: bytes) -> dict[str, TensorInfo]:
-    """Parse and verify the header without trusting it; ``safetensors`` sees only files that pass.
+class SafetensorsFile:
+    """An open safetensors file whose header is parsed and verified without trusting it.
 
     Layout: ``u64 little-endian N | N bytes of JSON | data``. Tensor byte ranges must tile the
     data section exactly (no gaps, no overlaps, nothing after), each as long as dtype × shape.
+    Only the header is read on open (at most ``8 + _MAX_HEADER_BYTES`` bytes); tensor bytes are
+    read later, one tensor at a time, through one reused buffer of ``_CHUNK`` bytes, so reading
+    an adapter never holds more than one chunk of the file in memory.
     """
-    if len(data) < 8:
-        raise _bad_safetensors("the file is shorter than its 8-byte header length")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > _MAX_HEADER_BYTES or 8 + n > len(data):
-        raise _bad_safetensors(
-            f"the header length {n} exceeds the file or the {_MAX_HEADER_BYTES}-byte limit"
-        )
-    try:
-        header = loads_strict(data[8 : 8 + n])
-    except ValueError as e:
-        raise _bad_safetensors(f"the header is not valid JSON ({e})") from e
-    if not isinstance(header, dict):
-        raise _bad_safetensors("the header is not a JSON object")
-    meta = header.pop("__metadata__", {})
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise _bad_safetensors("__metadata__ must map strings to strings")
-    infos = {name: _tensor_info(name, entry, 8 + n, len(data)) for name, entry in header.items()}
-    _check_tiling(infos, 8 + n, len(data))
-    return infos
+
+    def __init__(self, path: Path, max_bytes: int) -> None:
+        self._file = path.open("rb")
+        try:
+            self.size = os.fstat(self._file.fileno()).st_size
+            if self.size > max_bytes:
+                raise file_too_large(path.name, max_bytes)
+            self.header = self._read_header()
+        except BaseException:
+            self._file.close()
+            raise
+        self._buffer = bytearray(_CHUNK)  # a multiple of every dtype's element size
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+
+    def _read_header(self) -> dict[str, TensorInfo]:
+        prefix = self._file.read(8)
+        if len(prefix) < 8:
+            raise _bad_safetensors("the file is shorter than its 8-byte header length")
+        (n,) = struct.unpack("<Q", prefix)
+        if n > _MAX_HEADER_BYTES or 8 + n > self.size:
+            raise _bad_safetensors(
+                f"the header length {n} exceeds the file or the {_MAX_HEADER_BYTES}-byte limit"
+            )
+        blob = self._file.read(n)
+        if len(blob) != n:
+            raise _bad_safetensors("the file ended inside its header (it changed while read)")
+        try:
+            header = loads_strict(blob)
+        except ValueError as e:
+            raise _bad_safetensors(f"the header is not valid JSON ({e})") from e
+        if not isinstance(header, dict):
+            raise _bad_safetensors("the header is not a JSON object")
+        meta = header.pop("__metadata__", {})
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise _bad_safetensors("__metadata__ must map strings to strings")
+        infos = {name: _tensor_info(name, e, 8 + n, self.size) for name, e in header.items()}
+        _check_tiling(infos, 8 + n, self.size)
+        return infos
+
+    def chunks(self, name: str) -> Iterator[memoryview]:
+        """The bytes of tensor ``name`` in order, in views of the shared buffer (each valid
+        until the next is produced; each a whole number of elements)."""
+        info = self.header[name]
+        self._file.seek(info.begin)
+        view = memoryview(self._buffer)
+        remaining = info.end - info.begin
+        while remaining:
+            n = min(remaining, len(view))
+            got = 0
+            while got < n:
+                read = self._file.readinto(view[got:n])
+                if not read:
+                    raise _bad_safetensors(
+                        f"the file ended inside tensor {short_repr(name)} (it changed while read)"
+                    )
+                got += read
+            remaining -= n
+            yield view[:n]
 
 
 def _tensor_info(name: str, entry: Any, start: int, stop: int) -> TensorInfo:
@@ -493,20 +545,3 @@ def _check_tiling(infos: dict[str, TensorInfo], start: int, stop: int) -> None:
         cursor = info.end
     if cursor != stop:
         raise _bad_safetensors(f"{stop - cursor} bytes after the last tensor belong to no tensor")
-
-
-def load_safetensors(data: bytes, header: dict[str, TensorInfo]) -> dict[str, torch.Tensor]:
-    """Hand ``data`` (already verified by :func:`parse_safetensors_header`) to ``safetensors``."""
-    try:
-        tensors = safetensors_load(data)
-    except (SafetensorError, ValueError, RuntimeError) as e:
-        raise _bad_safetensors(str(e)) from e
-    for name, info in header.items():
-        tensor = tensors.get(name)
-        if (
-            tensor is None
-            or tuple(tensor.shape) != info.shape
-            or tensor.dtype != FLOAT_DTYPES[info.dtype][0]
-        ):
-            raise _bad_safetensors(f"tensor {short_repr(name)} does not match its header")
-    return tensors

@@ -43,6 +43,9 @@ class TenancySettings(BaseSettings):
     max_adapters_per_tenant: int = Field(
         100, ge=1, description="adapters per tenant unless the tenant's own limit is set"
     )
+    max_concurrent_uploads: int = Field(
+        2, ge=1, le=256, description="uploads received and validated at once; more get 429"
+    )
     usage_retention_days: int = Field(30, ge=1, description="raw usage rows; roll-ups stay")
 
     @property

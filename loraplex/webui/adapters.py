@@ -419,25 +419,26 @@ async def upload(request: Request) -> Response:
     work_dir = registry.storage.new_upload_dir()
     try:
         check_content_length(request.headers, limit)
-        received = await receive_upload(
-            _replayed(prefix, chunks),
-            request.headers.get("content-type"),
-            work_dir / "received",
-            limit,
-        )
-        values = {k: received.fields.get(k, "").strip() for k in UPLOAD_FIELDS}
-        received.fields["name"] = values["name"]
-        if not values["description"]:
-            received.fields.pop("description", None)  # blank: keep the adapter's description
-        tenant = await platform.db.run(lambda s: tenant_service.get_tenant(s, values["tenant"]))
-        if tenant is None:
-            raise APIError(
-                404,
-                f"There is no tenant named {values['tenant'][:64]!r}; pick one of the "
-                "suggestions, or create the tenant first.",
-                param="tenant",
+        with registry.upload_slots.hold():  # 429 when full; given back however it ends
+            received = await receive_upload(
+                _replayed(prefix, chunks),
+                request.headers.get("content-type"),
+                work_dir / "received",
+                limit,
             )
-        view = await registry.upload(tenant.id, WEB_ACTOR, received, work_dir)
+            values = {k: received.fields.get(k, "").strip() for k in UPLOAD_FIELDS}
+            received.fields["name"] = values["name"]
+            if not values["description"]:
+                received.fields.pop("description", None)  # blank: keep the adapter's description
+            tenant = await platform.db.run(lambda s: tenant_service.get_tenant(s, values["tenant"]))
+            if tenant is None:
+                raise APIError(
+                    404,
+                    f"There is no tenant named {values['tenant'][:64]!r}; pick one of the "
+                    "suggestions, or create the tenant first.",
+                    param="tenant",
+                )
+            view = await registry.upload(tenant.id, WEB_ACTOR, received, work_dir)
     except APIError as exc:
         errors = FormErrors()
         errors[exc.param if exc.param in UPLOAD_FIELDS else "file"] = exc.message

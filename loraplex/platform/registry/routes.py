@@ -125,14 +125,15 @@ async def _tenant_named(registry: Registry, name: str) -> int:
 async def _upload(request: Request, registry: Registry, tenant_id: int, actor: str) -> AdapterCard:
     limit = registry.settings.max_adapter_bytes
     check_content_length(request.headers, limit)
-    work_dir = registry.storage.new_upload_dir()
-    try:
-        received = await receive_upload(
-            request.stream(), request.headers.get("content-type"), work_dir / "received", limit
-        )
-        view = await registry.upload(tenant_id, actor, received, work_dir)
-    finally:
-        registry.storage.discard(work_dir)
+    with registry.upload_slots.hold():  # 429 when full; given back however the upload ends
+        work_dir = registry.storage.new_upload_dir()
+        try:
+            received = await receive_upload(
+                request.stream(), request.headers.get("content-type"), work_dir / "received", limit
+            )
+            view = await registry.upload(tenant_id, actor, received, work_dir)
+        finally:
+            registry.storage.discard(work_dir)
     return _card(view, registry.resolver.base_name)
 
 

@@ -49,7 +49,7 @@ from loraplex.platform.registry.records import (
     adapter_view,
 )
 from loraplex.platform.registry.storage import AdapterStorage
-from loraplex.platform.registry.upload import ReceivedUpload
+from loraplex.platform.registry.upload import ReceivedUpload, UploadSlots
 from loraplex.platform.registry.validate import (
     ValidatedAdapter,
     adapter_error,
@@ -76,6 +76,7 @@ class Registry:
         self.db = platform.db
         self.settings = platform.settings
         self.storage = AdapterStorage(platform.data_dir)
+        self.upload_slots = UploadSlots(platform.settings.max_concurrent_uploads)
         self.client = client
         self.resolver = resolver  # the base model's name; the operator's own adapters
         self._lock = asyncio.Lock()  # version rows and stored files change together under it

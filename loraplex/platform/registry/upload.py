@@ -11,13 +11,18 @@ under fixed names): ``adapter_config.json``, ``*.safetensors`` (the weights), or
 (``.zip``, ``.tar.gz`` / ``.tgz``, ``.tar``). Pickle checkpoints (``.bin``, ``.pt``, ...) are
 refused before a byte of them is stored. ``README.md`` (which PEFT writes beside the adapter) is
 skipped. Text parts are collected as fields; the caller decides which it reads.
+
+At most ``max_concurrent_uploads`` uploads are received and validated at once (``UploadSlots``);
+one more is answered 429 ``too_many_uploads`` before a byte of its body is read, so concurrent
+uploads bound the disk traffic and the memory in use (one read buffer each).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -77,6 +82,42 @@ def too_large(max_bytes: int) -> APIError:
         param="file",
         code="adapter_too_large",
     )
+
+
+UPLOAD_RETRY_AFTER_S = 5
+
+
+class UploadSlots:
+    """At most ``limit`` uploads in flight in this process (received, validated, stored).
+
+    ``hold()`` is entered on the event loop (a plain counter is safe there) and its slot is
+    given back however the upload ends: success, a refusal, a client disconnect (cancellation)
+    or a bug.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"max_concurrent_uploads must be at least 1; got {limit}")
+        self.limit = limit
+        self.active = 0
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        if self.active >= self.limit:
+            raise APIError(
+                429,
+                f"This server is already receiving {self.limit} adapter upload(s), as many as "
+                f"it takes at once; retry in {UPLOAD_RETRY_AFTER_S} s (Retry-After), or ask the "
+                "operator to raise LORAPLEX_MAX_CONCURRENT_UPLOADS.",
+                param="file",
+                code="too_many_uploads",
+                headers={"Retry-After": str(UPLOAD_RETRY_AFTER_S)},
+            )
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
 
 
 def pickle_refused(filename: str) -> APIError:

@@ -1,8 +1,11 @@
-"""Check an upload as the engine will (``loraplex.lora.adapter.load_adapter``), off the event loop.
+"""Check an upload as the engine will (``loraplex.lora.adapter.check_adapter``, the checks of
+``load_adapter``), off the event loop.
 
-Runs in a worker thread: it parses the safetensors file and checks every tensor. The content
-hash it returns is ``LoRAAdapter.content_hash``, the engine's key for the adapter. torch is
-imported only here, when the first upload arrives.
+Runs in a worker thread: ``check_adapter`` reads the safetensors file from disk (its header
+bounded, then one tensor at a time through a fixed-size buffer) and checks every tensor, keeping
+no weights, so an upload's validation holds one buffer whatever its size. The content hash it
+returns is ``LoRAAdapter.content_hash``, the engine's key for the adapter. torch is imported only
+here, when the first upload arrives.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def validate_upload(
 ) -> ValidatedAdapter:
     """Validate the received files (roles ``config``/``weights`` or ``archive``); raises
     ``AdapterError`` for a bad adapter. Archives are extracted under ``work_dir``."""
-    from loraplex.lora.adapter import AdapterError, extract_archive, load_adapter
+    from loraplex.lora.adapter import AdapterError, check_adapter, extract_archive
 
     archive = received.get("archive")
     if archive is not None:
@@ -62,7 +65,7 @@ def validate_upload(
     else:
         missing = CONFIG_NAME if "config" not in received else WEIGHTS_NAME
         raise AdapterError("missing_file", f"the upload has no {missing}; {ACCEPTED}")
-    adapter = load_adapter(adapter_dir, base, max_rank=max_rank, max_bytes=max_bytes)
+    adapter = check_adapter(adapter_dir, base, max_rank=max_rank, max_bytes=max_bytes)
     size = sum((adapter_dir / n).stat().st_size for n in (CONFIG_NAME, WEIGHTS_NAME))
     return ValidatedAdapter(
         content_hash=adapter.content_hash,
