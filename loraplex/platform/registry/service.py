@@ -67,7 +67,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DEFAULT_MAX_LORA_RANK = 64  # LoRAConfig's default, when the engine does not say its own
-STALE_UPLOAD_S = 600.0  # a "validating" row or a tmp/ entry this old was left by a crash
+STALE_UPLOAD_S = 600.0  # a "validating" row this old was left by a crash
 MAX_DESCRIPTION = 2000
 
 
@@ -116,7 +116,7 @@ class Registry:
             return list(session.scalars(select(AdapterVersion.content_sha256).distinct()))
 
         referenced = self.db.call(clean)
-        self.storage.clean_tmp(STALE_UPLOAD_S)
+        self.storage.clean_tmp()  # at start nothing is uploading: any age goes
         removed = self.storage.collect(referenced)
         if removed:
             logger.info("registry: removed %d adapter directories no version names", len(removed))

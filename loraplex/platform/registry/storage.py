@@ -24,7 +24,6 @@ import errno
 import os
 import re
 import shutil
-import time
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -116,16 +115,14 @@ class AdapterStorage:
             self.remove(content_hash)
         return removed
 
-    def clean_tmp(self, older_than_s: float) -> int:
-        """Remove leftovers of uploads a crash interrupted (entries idle ``older_than_s``)."""
-        cutoff = time.time() - older_than_s
+    def clean_tmp(self) -> int:
+        """Remove everything under ``tmp/``: what uploads (and removals) a killed server left.
+
+        Call at start only, before the server takes requests: then nothing can be writing
+        there, whatever an entry's age (a server killed mid-upload leaves a fresh one).
+        """
         count = 0
         for entry in self.tmp.iterdir():
-            try:
-                if entry.lstat().st_mtime >= cutoff:
-                    continue
-            except FileNotFoundError:
-                continue
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
             else:
