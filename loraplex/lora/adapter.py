@@ -116,6 +116,15 @@ class BaseModelInfo:
             head_dim=int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads),
         )
 
+    def describe(self) -> str:
+        """The geometry adapters must match, for messages (never a path or a served name)."""
+        return (
+            f"{short_repr(self.architecture, 60)[1:-1]} with {self.num_layers} layers, hidden "
+            f"size {self.hidden_size}, intermediate size {self.intermediate_size}, "
+            f"{self.num_heads} attention heads ({self.num_kv_heads} key/value), head size "
+            f"{self.head_dim}"
+        )
+
     def module_shape(self, module: str) -> tuple[int, int]:
         """``(in_features, out_features)`` of one projection of a decoder layer."""
         h, i = self.hidden_size, self.intermediate_size
@@ -679,7 +688,6 @@ def _check_pair(
     if layer >= base.num_layers:
         raise _mismatch(
             f"it has weights for layer {layer}, but the base model has {base.num_layers} layers",
-            cfg,
             base,
         )
     where = base.module_name(key)
@@ -702,21 +710,19 @@ def _check_pair(
         raise _mismatch(
             f"{where} is {fan_in} -> {fan_out} in the base model, but the adapter has "
             f"{a[1]} -> {b[0]}",
-            cfg,
             base,
         )
 
 
-def _mismatch(problem: str, cfg: _Config, base: BaseModelInfo) -> AdapterError:
-    trained = (
-        f" (its config names {short_repr(cfg.base_model_name_or_path)})"
-        if cfg.base_model_name_or_path
-        else ""
-    )
+def _mismatch(problem: str, base: BaseModelInfo) -> AdapterError:
+    # The geometry is what does not fit. The config's base_model_name_or_path is not quoted:
+    # it is often a path on the trainer's machine (or this server's), and a matching name
+    # proves nothing while a different one may be a copy of the same model.
     return AdapterError(
         "base_model_mismatch",
-        f"the adapter was trained for a different base model{trained}: {problem}; this server "
-        f"serves {base.architecture}, so retrain the adapter on that model",
+        f"the adapter's shapes do not fit this server's base model ({base.describe()}): "
+        f"{problem}; it was trained on a model of another architecture or size, so train it "
+        f"on the served base model",
     )
 
 

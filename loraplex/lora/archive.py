@@ -110,7 +110,7 @@ def extract_archive(archive: Path, dest: Path, *, max_bytes: int, max_members: i
     created = not dest.exists()
     if not created and (not dest.is_dir() or any(dest.iterdir())):
         raise ValueError(f"extraction target {dest} must not exist or be an empty directory")
-    dest.mkdir(parents=True, exist_ok=True)
+    dest.mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
         kind = _archive_kind(archive)
         writer = _Writer(dest, max_bytes, max_members)
@@ -170,7 +170,7 @@ class _Writer:
 
     def mkdir(self, parts: tuple[str, ...]) -> None:
         try:
-            self.root.joinpath(*parts).mkdir(parents=True, exist_ok=True)
+            self.root.joinpath(*parts).mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:
             raise _conflict(parts, e) from e
 
@@ -180,7 +180,7 @@ class _Writer:
         # write through a link (none can exist in a fresh root, this is belt and braces).
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd = os.open(path, flags, 0o600)
         except OSError as e:
             raise _conflict(parts, e) from e

@@ -15,6 +15,9 @@ the content is already stored, the new copy is discarded (the files compute the 
 
 Invariant: a directory in ``adapters/`` is removed only when no ``AdapterVersion`` row names its
 hash (the registry checks under its lock); ``collect`` removes directories nothing names.
+
+Everything here is private to the server's user: directories 0700 (``adapters/`` and ``tmp/``
+are made so at start even when they exist), stored files 0600.
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ class AdapterStorage:
         self.data_dir = Path(data_dir)
         self.root = self.data_dir / ADAPTERS_DIR
         self.tmp = self.data_dir / TMP_DIR
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.tmp.mkdir(parents=True, exist_ok=True)
+        for path in (self.root, self.tmp):  # ours alone: tightened if an older version made them
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(path, 0o700)
 
     # ---- uploads in flight -----------------------------------------------------------------
 
@@ -81,9 +85,10 @@ class AdapterStorage:
         if target.is_dir():
             return target
         staged = work_dir / "stored"
-        staged.mkdir()
+        staged.mkdir(mode=0o700)
         for name in STORED_FILES:
             os.replace(adapter_dir / name, staged / name)
+            os.chmod(staged / name, 0o600)  # received 0600; an archive member's mode is not used
             _fsync(staged / name)
         try:
             os.rename(staged, target)  # atomic: the directory appears complete or not at all
