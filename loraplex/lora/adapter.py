@@ -67,6 +67,11 @@ _PARENT = dict.fromkeys(SUPPORTED_MODULES[:4], "self_attn") | dict.fromkeys(
 )
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 _MAX_CONFIG_BYTES = 1 << 20
+# Bounds of the config's numbers, checked before any arithmetic on them (a 400-digit lora_alpha
+# must be a clear refusal, not an OverflowError). Ranks beyond max_rank are refused after these.
+MAX_CONFIG_RANK = 1 << 16
+MAX_CONFIG_ALPHA = 1_000_000
+MAX_LAYER_INDEX = 999_999  # as in tensor names (``layers.<up to 6 digits>.``)
 _MAX_PATTERN_CHARS = 1000
 _PATTERN_BUDGET_S = 1.0
 _HASH_FORMAT = "loraplex-lora-v1"
@@ -382,15 +387,15 @@ def _unsupported_target(names: list[str]) -> AdapterError:
 def _parse_config(raw: dict[str, Any], base: BaseModelInfo, max_rank: int) -> _Config:
     """Validate the config; missing keys take PEFT's defaults (r=8, lora_alpha=8, no rsLoRA)."""
     _check_options(raw)
-    r = _positive_int(raw.get("r", 8), "r")
-    alpha = _positive_number(raw.get("lora_alpha", 8), "lora_alpha")
+    r = _rank(raw.get("r", 8), "r")
+    alpha = _alpha(raw.get("lora_alpha", 8), "lora_alpha")
     use_rslora = raw.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise _bad_config(f"use_rslora must be true or false, got {short_repr(use_rslora)}")
     matcher = _Matcher()
     targets = _resolve_targets(raw, base, matcher)
-    ranks = _apply_pattern(raw, "rank_pattern", targets, base, matcher, r, _positive_int)
-    alphas = _apply_pattern(raw, "alpha_pattern", targets, base, matcher, alpha, _positive_number)
+    ranks = _apply_pattern(raw, "rank_pattern", targets, base, matcher, r, _rank)
+    alphas = _apply_pattern(raw, "alpha_pattern", targets, base, matcher, alpha, _alpha)
     for key, rank in ranks.items():
         if rank > max_rank:
             raise AdapterError(
@@ -441,15 +446,26 @@ def _check_options(raw: dict[str, Any]) -> None:
             )
 
 
-def _positive_int(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise _bad_config(f"{what} must be a positive integer, got {short_repr(value)}")
+def _rank(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_CONFIG_RANK:
+        raise _bad_config(
+            f"{what} must be a positive integer of at most {MAX_CONFIG_RANK}, got "
+            f"{short_repr(value)}"
+        )
     return value
 
 
-def _positive_number(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise _bad_config(f"{what} must be a positive number, got {short_repr(value)}")
+def _alpha(value: Any, what: str) -> float:
+    # int and float compare exactly, so a huge int is refused here before float() overflows
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 < value <= MAX_CONFIG_ALPHA
+    ):
+        raise _bad_config(
+            f"{what} must be a positive number of at most {MAX_CONFIG_ALPHA}, got "
+            f"{short_repr(value)}"
+        )
     return float(value)
 
 
@@ -566,15 +582,19 @@ def _list_targets(
 
 def _layer_filter(raw: dict[str, Any], matcher: _Matcher) -> Callable[[str], bool]:
     """PEFT's ``layers_to_transform`` / ``layers_pattern`` (applied to list targets only)."""
-    wanted = raw.get("layers_to_transform")
-    if wanted is None or wanted == []:
+    spec = raw.get("layers_to_transform")
+    if spec is None or spec == []:
         return lambda name: True
-    if isinstance(wanted, int) and not isinstance(wanted, bool):
-        wanted = [wanted]
-    if not isinstance(wanted, list) or not all(isinstance(i, int) for i in wanted):
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        spec = [spec]
+    if not isinstance(spec, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_LAYER_INDEX for i in spec
+    ):
         raise _bad_config(
-            f"layers_to_transform must be an int or a list of ints, got {short_repr(wanted)}"
+            f"layers_to_transform must be a layer index or a list of them, each from 0 to "
+            f"{MAX_LAYER_INDEX}, got {short_repr(spec)}"
         )
+    wanted = frozenset(spec)
     patterns = raw.get("layers_pattern") or [r"[^.]*"]
     patterns = [patterns] if isinstance(patterns, str) else patterns
     if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):

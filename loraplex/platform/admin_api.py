@@ -26,12 +26,15 @@ from loraplex.platform import audit, tenants, usage
 from loraplex.platform.auth import SCOPE_ADMIN, Caller, require_scope
 from loraplex.platform.db.models import ApiKey, Tenant, utcnow
 from loraplex.platform.keys import display_key
-from loraplex.platform.openai.errors import APIError, engine_unavailable
+from loraplex.platform.openai.errors import APIError, clip, engine_unavailable
 from loraplex.platform.tenancy import Platform, tenant_deleted, tenant_limits_changed
 
 logger = logging.getLogger(__name__)
 
 MAX_PAGE = 500
+MAX_OFFSET = 10**9  # far past any tenant list, and inside every database's integer
+# Keys expire before this: far enough for "never", near enough that no conversion overflows.
+MAX_EXPIRES_AT = dt.datetime(9999, 1, 1, tzinfo=dt.timezone.utc)
 ENGINE_STATS_TIMEOUT_S = 5.0
 
 router = APIRouter(prefix="/admin/api", tags=["admin"])
@@ -159,10 +162,14 @@ async def _db(request: Request, fn: Any) -> Any:
 
 
 def _check_page(offset: int, limit: int) -> None:
-    if offset < 0:
-        raise APIError(400, f"offset must be 0 or more; got {offset}.", param="offset")
+    if not 0 <= offset <= MAX_OFFSET:
+        raise APIError(
+            400, f"offset must be from 0 to {MAX_OFFSET}; got {clip(offset, 40)}.", param="offset"
+        )
     if not 1 <= limit <= MAX_PAGE:
-        raise APIError(400, f"limit must be from 1 to {MAX_PAGE}; got {limit}.", param="limit")
+        raise APIError(
+            400, f"limit must be from 1 to {MAX_PAGE}; got {clip(limit, 40)}.", param="limit"
+        )
 
 
 # ---- tenants -----------------------------------------------------------------------------------
@@ -266,6 +273,14 @@ async def create_key(
             400,
             "expires_at is in the past; give a future time (with a time zone), or leave it out "
             "for a key that does not expire.",
+            param="expires_at",
+            code="invalid_expiry",
+        )
+    if body.expires_at is not None and body.expires_at >= MAX_EXPIRES_AT:
+        raise APIError(
+            400,
+            f"expires_at must be before {MAX_EXPIRES_AT.date()} (UTC); leave it out for a key "
+            "that does not expire.",
             param="expires_at",
             code="invalid_expiry",
         )

@@ -122,23 +122,34 @@ def events(
 # ---- the admin API's view ----------------------------------------------------------------------
 
 MAX_PAGE = 500
+MAX_EVENT_ID = 2**63 - 1  # the largest id SQLite (and PostgreSQL's bigint) can compare against
+# The times a filter may name (UTC), so that no conversion or day arithmetic on them overflows.
+FIRST_TIME = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+LAST_TIME = dt.datetime(9999, 12, 30, 23, 59, 59, tzinfo=dt.timezone.utc)
 
 
 def parse_time(value: str | None, param: str) -> dt.datetime | None:
-    """An ISO 8601 time or date from a query string (no zone: UTC); 400 when malformed."""
+    """An ISO 8601 time or date from a query string (no zone: UTC), in UTC; 400 when malformed
+    or outside ``FIRST_TIME`` to ``LAST_TIME``."""
     if value is None or value == "":
         return None
     try:
         parsed = dt.datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
-    except ValueError:
+        if parsed.tzinfo is None:
+            parsed = parsed.replace(tzinfo=dt.timezone.utc)
+        parsed = parsed.astimezone(dt.timezone.utc)  # OverflowError past year 1 or 9999
+        if not FIRST_TIME <= parsed <= LAST_TIME:
+            raise ValueError(value)
+    except (ValueError, OverflowError):
         raise APIError(
             400,
             f"{param} must be an ISO 8601 time such as '2025-01-31T12:00:00Z' or a date such "
-            f"as '2025-01-31' (UTC); got {value[:40]!r}.",
+            f"as '2025-01-31' (UTC), from {FIRST_TIME.date()} to {LAST_TIME.date()}; got "
+            f"{value[:40]!r}.",
             param=param,
             code="invalid_time",
         ) from None
-    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=dt.timezone.utc)
+    return parsed
 
 
 def parse_filter(
@@ -167,10 +178,11 @@ def check_page(limit: int, before_id: int | None) -> None:
             400, f"limit must be from 1 to {MAX_PAGE}; got {limit}.", param="limit",
             code="invalid_limit",
         )  # fmt: skip
-    if before_id is not None and before_id < 1:
+    if before_id is not None and not 1 <= before_id <= MAX_EVENT_ID:
         raise APIError(
             400,
-            "before_id must be a positive event id: the next_before_id of the previous page.",
+            f"before_id must be an event id from 1 to {MAX_EVENT_ID}: the next_before_id of the "
+            "previous page.",
             param="before_id",
             code="invalid_cursor",
         )

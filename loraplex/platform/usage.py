@@ -60,6 +60,10 @@ logger = logging.getLogger(__name__)
 USAGE_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions"})
 MAX_RANGE_DAYS = 366
 DEFAULT_RANGE_DAYS = 30
+# The days a report may name: every date arithmetic on them (a default start 29 days back, an
+# end's next midnight) stays inside what ``datetime`` represents.
+FIRST_DAY = dt.date(1970, 1, 1)
+LAST_DAY = dt.date(9999, 12, 30)
 RETENTION_INTERVAL_S = 3600.0
 
 
@@ -441,15 +445,18 @@ def _parse_day(value: str | None, param: str) -> dt.date | None:
     try:
         if len(value) != 10:
             raise ValueError(value)
-        return dt.date.fromisoformat(value)
+        day = dt.date.fromisoformat(value)
+        if not FIRST_DAY <= day <= LAST_DAY:
+            raise ValueError(value)
     except ValueError:
         raise APIError(
             400,
-            f"{param} must be a date as YYYY-MM-DD (UTC), for example "
-            f"{utcnow().date().isoformat()!r}; got {value[:40]!r}.",
+            f"{param} must be a date as YYYY-MM-DD (UTC) from {FIRST_DAY} to {LAST_DAY}, for "
+            f"example {utcnow().date().isoformat()!r}; got {value[:40]!r}.",
             param=param,
             code="invalid_date",
         ) from None
+    return day
 
 
 def parse_range(start: str | None, end: str | None, today: dt.date | None = None) -> DateRange:

@@ -22,11 +22,20 @@ from starlette.responses import Response
 from loraplex.platform import audit
 from loraplex.platform.db.models import AuditEvent, utcnow
 from loraplex.webui.context import NavItem, SignedIn, render, webui_of
-from loraplex.webui.views import QUOTA_LABELS, FormErrors, fmt_ago, fmt_iso, fmt_time, fmt_value
+from loraplex.webui.views import (
+    QUOTA_LABELS,
+    FormErrors,
+    fmt_ago,
+    fmt_iso,
+    fmt_time,
+    fmt_value,
+    whole_number,
+)
 
 NAV = NavItem("Audit log", "/admin/audit")
 PAGE_SIZE = 50
 FILTERS = ("tenant", "action", "actor", "since", "until")
+MAX_BEFORE_ID = 10**11 - 1  # ?before= (an event id)
 # Suggestions for the action filter (any action or prefix works).
 ACTIONS = (
     "tenant.", "tenant.create", "tenant.update", "tenant.suspend", "tenant.resume",
@@ -91,13 +100,19 @@ def _row(event: AuditEvent, now: dt.datetime) -> dict[str, Any]:
 def _day(text: str, field: str, errors: FormErrors) -> dt.date | None:
     if not text:
         return None
+    first, last = audit.FIRST_TIME.date(), audit.LAST_TIME.date()  # ``until`` adds a day
     try:
         if len(text) != 10:
             raise ValueError(text)
-        return dt.date.fromisoformat(text)
+        day = dt.date.fromisoformat(text)
+        if not first <= day <= last:
+            raise ValueError(text)
     except ValueError:
-        errors[field] = "Enter a date as YYYY-MM-DD (UTC), for example 2025-01-31."
+        errors[field] = (
+            f"Enter a date as YYYY-MM-DD (UTC) from {first} to {last}, for example 2025-01-31."
+        )
         return None
+    return day
 
 
 def _midnight(day: dt.date) -> dt.datetime:
@@ -131,10 +146,13 @@ async def audit_log(request: Request, admin: SignedIn) -> Response:
     before_text = params.get("before", "")
     before_id = None
     if before_text:
-        if before_text.isdigit() and len(before_text) < 12 and int(before_text) > 0:
-            before_id = int(before_text)
-        else:
-            errors["_"] = "That page link is broken; showing the newest events instead."
+        before_id = whole_number(before_text, len(str(MAX_BEFORE_ID)))
+        if before_id is None or not 1 <= before_id <= MAX_BEFORE_ID:
+            before_id = None
+            errors["_"] = (
+                f"That page link is broken (before= takes an event id from 1 to "
+                f"{MAX_BEFORE_ID:,}); showing the newest events instead."
+            )
     now = utcnow()
     rows: list[dict[str, Any]] = []
     older = None
@@ -152,7 +170,7 @@ async def audit_log(request: Request, admin: SignedIn) -> Response:
         request,
         "audit.html",
         admin=admin,
-        status=400 if errors.keys() - {"_"} else 200,
+        status=400 if errors else 200,
         title="Audit log",
         rows=rows,
         values=values,

@@ -39,6 +39,7 @@ from loraplex.webui.context import (
     Admin,
     FormPost,
     NavItem,
+    Refused,
     SignedIn,
     redirect,
     render,
@@ -46,12 +47,21 @@ from loraplex.webui.context import (
     webui_of,
 )
 from loraplex.webui.sessions import Session as WebSession
-from loraplex.webui.views import WEB_ACTOR, FormErrors, fmt_ago, fmt_iso, fmt_time, not_found
+from loraplex.webui.views import (
+    WEB_ACTOR,
+    FormErrors,
+    fmt_ago,
+    fmt_iso,
+    fmt_time,
+    not_found,
+    whole_number,
+)
 
 NAV = NavItem("Keys", "/admin/keys")
 LIST = "/admin/keys"
 PAGE_SIZE = 50
 MAX_EXPIRY_DAYS = 3650
+MAX_BEFORE_ID = 10**11 - 1  # ?before= (a key id)
 SCOPES: tuple[tuple[str, str], ...] = (
     (SCOPE_INFERENCE, "inference — completions, chat, models"),
     (SCOPE_ADAPTERS_WRITE, "adapters:write — upload and delete adapters"),
@@ -169,7 +179,16 @@ async def key_list(request: Request, admin: SignedIn) -> Response:
     status = params.get("status", "")
     status = status if status in STATUSES else ""
     before_text = params.get("before", "")
-    before_id = int(before_text) if before_text.isdigit() and len(before_text) < 12 else None
+    before_id = whole_number(before_text, len(str(MAX_BEFORE_ID))) if before_text else None
+    if before_text and (before_id is None or not 1 <= before_id <= MAX_BEFORE_ID):
+        raise Refused(
+            400,
+            "Broken page link",
+            f"The link to older keys is broken: before= takes a key id from 1 to "
+            f"{MAX_BEFORE_ID:,}, and the address has {before_text[:20]!r}. Open the newest "
+            "keys instead.",
+            action=("Newest keys", LIST),
+        )
     now = utcnow()
 
     def read(session: Session) -> tuple[list[dict[str, Any]], int | None, str | None]:
@@ -242,13 +261,14 @@ def _expiry(text: str, errors: FormErrors, now: dt.datetime) -> dt.datetime | No
     text = text.strip()
     if not text:
         return None
-    if not text.isdigit() or not 1 <= int(text) <= MAX_EXPIRY_DAYS:
+    days = whole_number(text)
+    if days is None or not 1 <= days <= MAX_EXPIRY_DAYS:
         errors["expires_days"] = (
             f"Enter a whole number of days from 1 to {MAX_EXPIRY_DAYS:,}, or leave it blank "
             "for a key that does not expire."
         )
         return None
-    return now + dt.timedelta(days=int(text))
+    return now + dt.timedelta(days=days)
 
 
 @router.post(LIST)

@@ -62,7 +62,7 @@ from loraplex.webui.context import (
     secure_headers,
     webui_of,
 )
-from loraplex.webui.views import FormErrors
+from loraplex.webui.views import FormErrors, whole_number
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def parse_trial(values: dict[str, str], base_name: str) -> tuple[Trial | None, F
     elif len(prompt) > MAX_PROMPT_CHARS:
         errors["prompt"] = f"The prompt is longer than {MAX_PROMPT_CHARS:,} characters; shorten it."
     text = values["max_tokens"] or str(DEFAULT_MAX_TOKENS)
-    max_tokens = int(text) if text.isdigit() else 0
+    max_tokens = whole_number(text) or 0
     if not 1 <= max_tokens <= MAX_TOKENS:
         errors["max_tokens"] = f"Max tokens: a whole number from 1 to {MAX_TOKENS}."
     try:

@@ -27,6 +27,7 @@ QUOTA_LABELS: dict[str, str] = {
 }
 
 MAX_QUOTA = 10**12
+MAX_PAGE_NUMBER = 9_999_999  # ?page= (an offset of at most 5e8 rows: inside any database)
 NONE = "—"
 
 
@@ -110,18 +111,30 @@ class FormErrors(dict[str, str]):
         self[error.param if error.param else default_field] = error.message
 
 
+def whole_number(text: str, max_digits: int = 13) -> int | None:
+    """``text`` as a whole number when it is at most ``max_digits`` ASCII digits, else None.
+
+    Not ``str.isdigit`` alone: it accepts '²' and other digits ``int`` refuses (a 500), and an
+    unbounded length would build a huge int from a caller's text.
+    """
+    if text.isascii() and text.isdigit() and len(text) <= max_digits:
+        return int(text)
+    return None
+
+
 def parse_limit(text: str, label: str) -> tuple[int | None, str | None]:
     """A quota from a form: blank → no limit; else a whole number from 1 to 10^12.
     Returns ``(value, error)``."""
     text = text.strip().replace(",", "").replace("_", "")
     if not text:
         return None, None
-    if not text.isdigit() or not 1 <= int(text) <= MAX_QUOTA:
+    value = whole_number(text)
+    if value is None or not 1 <= value <= MAX_QUOTA:
         return None, (
             f"{label}: enter a whole number from 1 to 1,000,000,000,000, or leave it blank "
             "for no limit."
         )
-    return int(text), None
+    return value, None
 
 
 def parse_quotas(fields: dict[str, str], errors: FormErrors) -> dict[str, int | None]:
@@ -136,10 +149,19 @@ def parse_quotas(fields: dict[str, str], errors: FormErrors) -> dict[str, int | 
 
 
 def page_number(text: str | None) -> int:
-    """``?page=`` as a number from 1 (anything else is page 1)."""
-    if text and text.isdigit() and len(text) <= 7:
-        return max(1, int(text))
-    return 1
+    """``?page=`` as a number from 1 to ``MAX_PAGE_NUMBER`` (absent or blank: 1; past the last
+    page: the caller shows the last); anything else is a 400 page saying the range."""
+    if not text:
+        return 1
+    number = whole_number(text, len(str(MAX_PAGE_NUMBER)))
+    if number is None or not 1 <= number <= MAX_PAGE_NUMBER:
+        raise Refused(
+            400,
+            "No such page",
+            f"The page number must be a whole number from 1 to {MAX_PAGE_NUMBER:,}; the "
+            f"address has page={text[:20]!r}. Open the list again from its first page.",
+        )
+    return number
 
 
 # ---- pagination ------------------------------------------------------------------------------

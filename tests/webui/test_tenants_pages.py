@@ -148,7 +148,7 @@ async def test_the_list_pages_and_searches(web: WebEnv) -> None:
         beyond = await http.get("/admin/tenants", params={"page": "99"})  # the last page
         assert table_names(beyond.text) == table_names(last.text)
         junk = await http.get("/admin/tenants", params={"page": "-1x"})
-        assert table_names(junk.text) == table_names(first.text)
+        assert junk.status_code == 400 and "from 1 to 9,999,999" in junk.text
 
         found = await http.get("/admin/tenants", params={"q": "customer 11"})
         assert table_names(found.text) == [

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from loraplex.platform.openai.errors import APIError, clip
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
+# N in name@N: 1 to 999,999,999, inside every database's integer; any other N (0, 10**20, '²')
+# names no adapter, answered as one that does not exist (404), never a query with it.
 _VERSION = re.compile(r"[1-9][0-9]{0,8}")
 
 

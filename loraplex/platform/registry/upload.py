@@ -154,8 +154,13 @@ def file_role(filename: str) -> FileRole | None:
 
 def check_content_length(headers: Any, max_bytes: int) -> None:
     """413 at once when the declared body is larger than any acceptable upload."""
-    declared = headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes + MULTIPART_SLACK:
+    declared = headers.get("content-length") or ""
+    # ASCII digits only (int() refuses '²'); past 19 digits it is past any limit: no huge int
+    if (
+        declared.isascii()
+        and declared.isdigit()
+        and (len(declared) > 19 or int(declared) > max_bytes + MULTIPART_SLACK)
+    ):
         raise too_large(max_bytes)
 
 
