@@ -47,14 +47,19 @@ __all__ = [
 
 @dataclass(frozen=True)
 class EngineInfo:
+    """What the engine is and what it accepts, told once by the engine when it starts: the
+    platform checks requests and uploads against these, never against copied defaults."""
+
     model_dir: str
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     block_size: int
-    num_blocks: (
-        int  # usable KV blocks (the reserved null block excluded), as stats' kv_blocks_total
-    )
+    num_blocks: int  # usable KV blocks (the reserved null block excluded): kv_blocks_total
+    max_lora_rank: int  # the largest adapter rank the engine serves
+    max_loras: int  # adapters one step may use (device slots)
+    max_cpu_loras: int  # adapters kept in host memory
+    lora_target_modules: tuple[str, ...]  # the modules an adapter may target on this model
 
 
 @dataclass(frozen=True)

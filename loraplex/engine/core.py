@@ -38,6 +38,8 @@ class EngineCore:
             max_model_len = capacity
         self.max_model_len = max_model_len
         self.vocab_size = spec.vocab_size
+        lora = self.runner.lora
+        self.lora_target_modules: tuple[str, ...] = lora.target_modules if lora else ()
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(
             config.scheduler, self.kv, max_model_len, max_loras=config.lora.max_loras

@@ -123,6 +123,7 @@ def load_core(
     tok_eos = getattr(tokenizer, "eos_token_id", None)
     if isinstance(tok_eos, int) and tok_eos not in eos:
         eos.append(tok_eos)
+    lora = config.lora
     info = EngineInfo(
         model_dir=model_dir,
         max_model_len=core.max_model_len,
@@ -130,6 +131,10 @@ def load_core(
         eos_token_ids=tuple(eos),
         block_size=core.kv.block_size,
         num_blocks=core.kv.num_usable_blocks,
+        max_lora_rank=lora.max_lora_rank,
+        max_loras=lora.max_loras,
+        max_cpu_loras=lora.max_cpu_loras,
+        lora_target_modules=core.lora_target_modules,
     )
     return core, info
 

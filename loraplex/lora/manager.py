@@ -68,6 +68,8 @@ class LoRAManager:
                 wrapped = LoRALinear(getattr(parent, attr), names, self.step)
                 setattr(parent, attr, wrapped)
                 self.layers.append((i, wrapped))
+        # The checkpoint modules an adapter may target on this model, in layer order.
+        self.target_modules = tuple(m for names in LORA_TARGETS.values() for m in names)
         self._allocated = False
         self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self._sources: dict[str, Path] = {}

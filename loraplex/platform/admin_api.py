@@ -17,13 +17,14 @@ import logging
 from functools import partial
 from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StrictInt
 from sqlalchemy.orm import Session
 
 from loraplex.engine.client import EngineClient
 from loraplex.platform import audit, tenants, usage
-from loraplex.platform.auth import SCOPE_ADMIN, Caller, require_scope
+from loraplex.platform.access import operator_caller
+from loraplex.platform.auth import Caller
 from loraplex.platform.db.models import ApiKey, Tenant, utcnow
 from loraplex.platform.keys import display_key
 from loraplex.platform.openai.errors import APIError, clip, engine_unavailable
@@ -38,7 +39,7 @@ MAX_EXPIRES_AT = dt.datetime(9999, 1, 1, tzinfo=dt.timezone.utc)
 ENGINE_STATS_TIMEOUT_S = 5.0
 
 router = APIRouter(prefix="/admin/api", tags=["admin"])
-operator = Depends(require_scope(SCOPE_ADMIN))
+operator = Depends(operator_caller)  # the router's audience is "operator" (app.mount_routes)
 
 
 # ---- bodies and views --------------------------------------------------------------------------
@@ -418,8 +419,3 @@ async def engine_state(request: Request, caller: Caller = operator) -> dict[str,
         },
         "stats": stats,
     }
-
-
-def install(app: FastAPI, platform: Platform) -> None:
-    """The ``/admin/api`` routes."""
-    app.include_router(router)

@@ -7,20 +7,23 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from loraplex.engine.client import EngineClient
+from loraplex.platform import access
+from loraplex.platform.access import Audience
 from loraplex.platform.auth import Authenticator, OperatorKeyAuthenticator
 from loraplex.platform.metrics import PlatformMetrics
 from loraplex.platform.metrics import router as metrics_router
 from loraplex.platform.models import ModelResolver
+from loraplex.platform.openai import routes as openai_routes
 from loraplex.platform.openai.errors import document_error_envelope, install_error_handlers
-from loraplex.platform.openai.routes import router
 from loraplex.platform.openai.serving import OpenAIServing, ServingConfig
 from loraplex.platform.registry.upload import streams_own_body
 from loraplex.platform.request_log import BodyLimitMiddleware, RequestLogMiddleware
+from loraplex.platform.tenancy import Platform, install_tenancy
 
 
 class ServerSettings(BaseSettings):
@@ -49,6 +52,34 @@ class ServerSettings(BaseSettings):
         return value
 
 
+def mount_routes(app: FastAPI, platform: Platform | None) -> None:
+    """Every route of the app, each router with its audience (see ``access``): the one place
+    that says which kind of caller reaches what. The operator's LoRA load/unload endpoints exist
+    only without the platform, where the operator's ``--api-key`` is the only credential; on the
+    platform adapters come through the registry."""
+    table: list[tuple[APIRouter, Audience]] = [
+        (openai_routes.public_router, "public"),
+        (openai_routes.inference_router, "inference"),
+        (metrics_router, "metrics"),
+    ]
+    if platform is None:
+        table.append((openai_routes.operator_lora_router, "operator"))
+    else:
+        from loraplex.platform import admin_api, usage
+        from loraplex.platform.registry import routes as registry_routes
+        from loraplex.webui import ROUTERS, SESSION_GUARDS
+
+        table += [
+            (registry_routes.tenant_router, "tenant"),
+            (usage.router, "tenant"),
+            (registry_routes.operator_router, "operator"),
+            (admin_api.router, "operator"),
+            *ROUTERS,
+        ]
+    for router, audience in table:
+        access.mount(app, router, audience, session_guards=SESSION_GUARDS if platform else ())
+
+
 def load_settings(**overrides: Any) -> ServerSettings:
     """Settings from the environment, then ``overrides`` (CLI flags; None values are skipped)."""
     return ServerSettings(**{k: v for k, v in overrides.items() if v is not None})
@@ -61,8 +92,10 @@ def create_app(
     own_client: bool = False,
     tokenizer: Any | None = None,
     authenticator: Authenticator | None = None,
+    platform: Platform | None = None,
 ) -> FastAPI:
-    """The app serving ``client``.
+    """The app serving ``client``: the single-operator server, or with ``platform`` the
+    multi-tenant platform (tenants, keys, registry, quotas, usage, admin API and UI).
 
     ``own_client``: the app's lifespan starts the client and shuts it down (for ``uvicorn.run``);
     otherwise the caller starts it before serving. ``tokenizer``: the base model's tokenizer
@@ -110,8 +143,6 @@ def create_app(
     app.state.metrics = metrics = PlatformMetrics(client)
     install_error_handlers(app)
     document_error_envelope(app)
-    app.include_router(router)
-    app.include_router(metrics_router)
     # Outermost last: the request log wraps the body limit, so a 413 is logged (and counted) too.
     app.add_middleware(
         BodyLimitMiddleware, max_bytes=settings.max_request_bytes, exempt=streams_own_body
@@ -120,4 +151,7 @@ def create_app(
     # middleware reads it when Starlette builds the stack, at the first request.
     app.state.request_observers = observers = [metrics.observe]
     app.add_middleware(RequestLogMiddleware, observers=observers)
+    if platform is not None:
+        install_tenancy(app, platform)
+    mount_routes(app, platform)
     return app

@@ -11,25 +11,36 @@ from __future__ import annotations
 import hmac
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from fastapi import Request
 
 from loraplex.platform.openai.errors import INVALID_REQUEST, PERMISSION, APIError
 
+ANONYMOUS = "anonymous"  # the caller id of an open server's callers (no --api-key)
 SCOPE_INFERENCE = "inference"
 SCOPE_ADAPTERS_WRITE = "adapters:write"
 SCOPE_ADMIN = "admin"
 ALL_SCOPES = frozenset({SCOPE_INFERENCE, SCOPE_ADAPTERS_WRITE, SCOPE_ADMIN})
 
 
+CallerKind = Literal["operator", "tenant"]
+
+
 @dataclass(frozen=True)
 class Caller:
-    id: str  # stable, loggable: "operator", "anonymous", later "tenant:<id>/key:<public id>"
+    """Who calls: the operator (its credential, or anyone on an open server) or a tenant (one
+    of its keys, or the operator acting for it in the admin UI's playground)."""
+
+    id: str  # stable, loggable: "operator", "anonymous", "tenant:<name>/key:<public id>"
     scopes: frozenset[str] = field(default_factory=frozenset)
-    tenant_id: str | None = None  # None: the operator (sees the operator's adapters)
+    tenant_id: str | None = None  # set exactly for tenant callers
     key_id: str | None = None  # public part of the key used, for usage rows and audit
     cache_salt: str = ""  # joins the prefix-cache keys: tenants never share KV blocks
+
+    @property
+    def kind(self) -> CallerKind:
+        return "operator" if self.tenant_id is None else "tenant"
 
     @property
     def cache_extra_keys(self) -> tuple[str, ...]:
@@ -69,7 +80,7 @@ class OperatorKeyAuthenticator:
 
     async def authenticate(self, request: Request) -> Caller:
         if self._key is None:
-            return Caller(id="anonymous", scopes=ALL_SCOPES)
+            return Caller(id=ANONYMOUS, scopes=ALL_SCOPES)
         token = bearer_token(request)
         if token is None:
             raise _unauthorized(

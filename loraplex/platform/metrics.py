@@ -27,7 +27,6 @@ scrape and a crash are lost; the series never goes backwards.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -40,16 +39,13 @@ from prometheus_client.exposition import generate_latest
 from starlette.responses import Response
 
 from loraplex.engine.client import EngineClient
-from loraplex.platform.auth import SCOPE_ADMIN, bearer_token, get_caller
-from loraplex.platform.openai.errors import INVALID_REQUEST, PERMISSION, APIError
-from loraplex.platform.request_log import RequestRecord, request_record
+from loraplex.platform.request_log import RequestRecord
 
 logger = logging.getLogger(__name__)
 
 UNRESOLVED_MODEL = "_unresolved"
 NO_TENANT = "-"
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
-ANONYMOUS = "anonymous"  # the caller id OperatorKeyAuthenticator gives an open server's callers
 
 # Seconds. From a warm GPU (milliseconds) to a long prompt on a shared CPU (minutes).
 LATENCY_BUCKETS = (
@@ -316,50 +312,6 @@ router = APIRouter()
 
 @router.get("/metrics", include_in_schema=False)
 async def metrics(request: Request) -> Response:
-    """The Prometheus text; needs the metrics token or an admin caller (open on an open server)."""
-    await authorize_scrape(request)
+    """The Prometheus text (the ``metrics`` audience: the metrics token or the operator)."""
     registry: PlatformMetrics = request.app.state.metrics
     return Response(await registry.scrape(), media_type=CONTENT_TYPE_LATEST)
-
-
-async def authorize_scrape(request: Request) -> None:
-    """Accepts ``Authorization: Bearer <metrics token>``, or any caller the app's authenticator
-    accepts with the admin scope (with a metrics token set, an open server's anonymous callers
-    are not accepted). 401 otherwise; 403 for an authenticated caller without the scope."""
-    secret = request.app.state.settings.metrics_token
-    expected = secret.get_secret_value().encode() if secret is not None else None
-    token = bearer_token(request)
-    if (
-        expected is not None
-        and token is not None
-        and hmac.compare_digest(token.encode("utf-8", "surrogatepass"), expected)
-    ):
-        request_record(request).caller = "metrics"
-        return
-    try:
-        caller = await get_caller(request)
-    except APIError as exc:
-        if exc.status != 401:
-            raise
-        raise _unauthorized(exc.code or "invalid_api_key") from None
-    if expected is not None and caller.id == ANONYMOUS:
-        raise _unauthorized("missing_api_key" if token is None else "invalid_api_key")
-    request_record(request).caller = caller.id
-    if not caller.has_scope(SCOPE_ADMIN):
-        raise APIError(
-            403,
-            "Only an operator may read /metrics; use the metrics token or an admin key.",
-            type=PERMISSION,
-            code="insufficient_scope",
-        )
-
-
-def _unauthorized(code: str) -> APIError:
-    return APIError(
-        401,
-        "GET /metrics needs the metrics token (--metrics-token) or an admin API key, sent as "
-        "'Authorization: Bearer <token>'.",
-        type=INVALID_REQUEST,
-        code=code,
-        headers={"WWW-Authenticate": "Bearer"},
-    )

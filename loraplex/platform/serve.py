@@ -69,6 +69,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "as LORAPLEX_ADMIN_TOKEN (prefer the environment: flags show in `ps`)",
     )
     opt("--metrics-token", None, help="token that may also read /metrics (Prometheus scrapers)")
+    opt(
+        "--max-request-bytes",
+        None,
+        int,
+        help="largest request body accepted, in bytes (default 4 MiB); larger ones get 413",
+    )
+    opt(
+        "--default-max-tokens",
+        None,
+        int,
+        help="max_tokens of a chat request that sets none (default: up to the context); "
+        "/v1/completions defaults to 16",
+    )
     p.add_argument(
         "--lora-modules",
         nargs="*",
@@ -161,15 +174,15 @@ def run_serve(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(args, config, model_dir))
 
 
-async def _open_platform(args: argparse.Namespace, app: Any) -> Any:
-    """Open the database (migrating it unless --no-migrate), make sure an admin token exists
-    (printing a new one once), and install tenants, keys, the registry, quotas, usage, the
-    admin API and the admin UI on ``app``."""
+async def _open_platform(args: argparse.Namespace) -> Any:
+    """Open the database (migrating it unless --no-migrate) and make sure an admin token exists
+    (printing a new one once); the app built on it serves tenants, keys, the registry, quotas,
+    usage, the admin API and the admin UI."""
     import anyio.to_thread
 
     from loraplex.platform import admin_token
     from loraplex.platform.db import migrate
-    from loraplex.platform.tenancy import Platform, TenancySettings, install_tenancy
+    from loraplex.platform.tenancy import Platform, TenancySettings
 
     overrides: dict[str, Any] = {
         "data_dir": args.data_dir,
@@ -185,7 +198,6 @@ async def _open_platform(args: argparse.Namespace, app: Any) -> Any:
     )
     start = await anyio.to_thread.run_sync(admin_token.ensure, platform.db, platform.settings)
     print(start.message(), file=sys.stderr, flush=True)
-    install_tenancy(app, platform)
     return platform
 
 
@@ -230,13 +242,15 @@ async def _serve(args: argparse.Namespace, config: Any, model_dir: str) -> int:
             served_model_name=args.served_model_name,
             api_key=args.api_key,
             metrics_token=args.metrics_token,
+            max_request_bytes=args.max_request_bytes,
+            default_max_tokens=args.default_max_tokens,
         )
-        app = create_app(client, settings)
+        platform = None if args.no_platform else await _open_platform(args)
+        app = create_app(client, settings, platform=platform)
         serving = app.state.serving
         for name, path in args.lora_modules:
             info = await client.add_lora(name, path, pinned=True)
             serving.resolver.add_adapter(info)
-        platform = None if args.no_platform else await _open_platform(args, app)
         names = [serving.resolver.base_name] + [name for name, _ in args.lora_modules]
         base_url = f"http://{args.host}:{args.port}"
         print(

@@ -1,8 +1,9 @@
 """The multi-tenant platform around the OpenAI API: database, tenant keys, adapter registry,
 quotas, usage and audit, and the admin API.
 
-``create_app`` builds the single-operator server; ``install_tenancy(app, platform)`` turns it
-into the platform: each component installs itself (its state on ``app.state`` and its routes).
+``create_app(client, settings)`` builds the single-operator server; ``create_app(...,
+platform=Platform.open(settings))`` the platform: ``install_tenancy`` installs each component's
+state on ``app.state``, and ``app.mount_routes`` mounts every route with its audience.
 """
 
 from __future__ import annotations
@@ -100,14 +101,15 @@ async def tenant_deleted(app: FastAPI, tenant_id: int) -> None:
 
 
 def install_tenancy(app: FastAPI, platform: Platform) -> None:
-    from loraplex.platform import admin_api, quotas, registry, tenant_auth, usage
+    """The platform's components on ``app.state`` (``create_app(..., platform=)`` calls this;
+    ``app.mount_routes`` mounts their routes)."""
+    from loraplex.platform import quotas, registry, tenant_auth, usage
 
     app.state.platform = platform
     tenant_auth.install(app, platform)
     registry.install(app, platform)
     quotas.install(app, platform)
     usage.install(app, platform)
-    admin_api.install(app, platform)
 
     from loraplex.webui import install_webui
 

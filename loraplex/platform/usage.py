@@ -32,14 +32,14 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from pydantic import BaseModel
 from sqlalchemy import Date, Select, and_, case, delete, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
-from loraplex.platform.auth import Caller, get_caller
+from loraplex.platform.access import TenantCaller
 from loraplex.platform.db.database import Database
 from loraplex.platform.db.models import (
     Adapter,
@@ -585,8 +585,7 @@ def all_usage(session: Session, days: DateRange) -> UsageReport:
 
 # ---- the API -----------------------------------------------------------------------------------
 
-router = APIRouter()
-authenticated = Depends(get_caller)
+router = APIRouter()  # audience "tenant": a tenant's own usage
 
 
 def _platform(request: Request) -> Platform:
@@ -599,17 +598,13 @@ async def get_usage(
     request: Request,
     start: str | None = Query(None, description="first UTC day, YYYY-MM-DD"),
     end: str | None = Query(None, description="last UTC day, YYYY-MM-DD (included)"),
-    caller: Caller = authenticated,
+    *,
+    caller: TenantCaller,
 ) -> UsageReport:
-    """The caller's tenant's usage by day and model (its own rows only)."""
+    """The caller's tenant's usage by day and model (its own rows only). The operator reads
+    every tenant's under /admin/api/usage and /admin/api/tenants/{tenant}/usage."""
     days = parse_range(start, end)
-    if caller.tenant_id is None:
-        raise APIError(
-            400,
-            "/v1/usage reports a tenant's usage, and this caller is the operator; use "
-            "GET /admin/api/usage (every tenant) or /admin/api/tenants/{tenant}/usage.",
-            code="not_a_tenant",
-        )
+    assert caller.tenant_id is not None  # the tenant audience
     tenant_id = int(caller.tenant_id)
     recorder = get_recorder(request)
     if recorder is not None:  # read your own writes: the rows still buffered count too
@@ -624,14 +619,13 @@ def get_recorder(request: Request) -> UsageRecorder | None:
 
 def install(app: FastAPI, platform: Platform) -> None:
     """``app.state.usage`` (the recorder, whose ``observe`` joins the request log's observers,
-    ``app.state.request_observers``), ``GET /v1/usage``, and in the app's lifespan the
-    retention task (started) and a last flush (at shutdown)."""
+    ``app.state.request_observers``), and in the app's lifespan the retention task (started)
+    and a last flush (at shutdown). The app mounts ``router`` (``GET /v1/usage``)."""
     recorder = UsageRecorder(platform.db)
     app.state.usage = recorder
     observers = getattr(app.state, "request_observers", None)
     if isinstance(observers, list):
         observers.append(recorder.observe)
-    app.include_router(router)
     inner = app.router.lifespan_context
     retention_days = platform.settings.usage_retention_days
 

@@ -1,20 +1,25 @@
 """The admin web UI: server-rendered pages under ``/admin`` (JSON admin API: ``/admin/api``).
 
-``install_webui(app, platform)`` mounts the pages, the static files (``/admin/static``) and the
-UI's state (``app.state.webui``). Pages are listed once, in ``PAGES``: each module there has a
+``install_webui(app, platform)`` installs the UI's state (``app.state.webui``) and mounts the
+static files (``/admin/static``); the app mounts ``ROUTERS`` (the pages). Pages are listed once, in ``PAGES``: each module there has a
 ``router`` and a ``NAV`` item (or None), and the navigation is built from that list, so a new
 page is one module plus one line here.
 """
 
 from __future__ import annotations
 
+import inspect
 from types import ModuleType
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.staticfiles import StaticFiles
+from starlette.types import Scope
 
+from loraplex.platform import access
+from loraplex.platform.access import Audience
 from loraplex.platform.tenancy import Platform
 from loraplex.webui import (
     adapters,
@@ -37,12 +42,21 @@ from loraplex.webui.context import (
     make_templates,
     redirect,
     render,
+    route_path,
     static_versions,
 )
 from loraplex.webui.live import EngineMonitor, LiveRecorder
 from loraplex.webui.sessions import LoginThrottle, SessionStore
 
-__all__ = ["PAGES", "WebUI", "WebUISettings", "install_webui", "load_webui_settings"]
+__all__ = [
+    "PAGES",
+    "ROUTERS",
+    "SESSION_GUARDS",
+    "WebUI",
+    "WebUISettings",
+    "install_webui",
+    "load_webui_settings",
+]
 
 PAGES: tuple[ModuleType, ...] = (
     overview,
@@ -93,11 +107,58 @@ def install_webui(app: FastAPI, platform: Platform, settings: WebUISettings | No
 
     app.add_exception_handler(LoginRequired, _login_required)
     app.add_exception_handler(Refused, _refused)
-    app.mount("/admin/static", StaticFiles(directory=STATIC_DIR), name="webui-static")
-    app.include_router(login.router)
-    for page in PAGES:
-        app.include_router(page.router)
+    api_http_errors = app.exception_handlers[StarletteHTTPException]
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        """An unknown address under /admin is a page saying so; /admin/api (and everything
+        else) keeps the API's JSON errors."""
+        assert isinstance(exc, StarletteHTTPException)
+        path = route_path(request)
+        if exc.status_code == 404 and _is_page_path(path) and request.method == "GET":
+            return await _refused(
+                request,
+                Refused(
+                    404,
+                    "Page not found",
+                    "There is no admin page at this address; the link may be mistyped or old.",
+                    action=("Go to the overview", context.HOME),
+                ),
+            )
+        response = api_http_errors(request, exc)
+        return await response if inspect.isawaitable(response) else response
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    access.mount_public_files(app, "/admin/static", _StaticFiles(directory=STATIC_DIR), "webui")
     return webui
+
+
+def _is_page_path(path: str) -> bool:
+    return path.startswith("/admin/") and not path.startswith(("/admin/api/", "/admin/static/"))
+
+
+class _StaticFiles(StaticFiles):
+    """The UI's CSS and scripts, with the pages' ``nosniff`` (a file is only what its type
+    says) and without framing."""
+
+    async def get_response(self, path: str, scope: Scope) -> Response:
+        response = await super().get_response(path, scope)
+        response.headers.setdefault("X-Content-Type-Options", "nosniff")
+        response.headers.setdefault("X-Frame-Options", "DENY")
+        return response
+
+
+# The admin UI's routers with their audiences (the app mounts them, see ``app.mount_routes``):
+# the sign-in page is public; every page needs a session (one of SESSION_GUARDS).
+SESSION_GUARDS = (
+    context.page_admin,
+    context.form_admin,
+    context.json_admin,
+    adapters.streamed_form_admin,  # the upload form, checked before its body is streamed
+)
+ROUTERS: tuple[tuple[APIRouter, Audience], ...] = (
+    (login.router, "public"),
+    *((page.router, "admin_ui") for page in PAGES),
+)
 
 
 async def _login_required(request: Request, exc: Exception) -> Response:

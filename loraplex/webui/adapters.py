@@ -22,10 +22,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import urlencode
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from sqlalchemy import Select, func, literal, select
 from sqlalchemy.orm import Session
 from starlette.responses import Response
@@ -389,8 +389,20 @@ async def _replayed(prefix: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[
         yield chunk
 
 
-@router.post(UPLOAD)
-async def upload(request: Request) -> Response:
+@dataclass
+class StreamedForm:
+    """A signed-in operator's multipart form whose leading fields (the CSRF token first) were
+    read and checked; the rest of the body is still to be streamed."""
+
+    admin: Admin
+    leading: list[tuple[str, str]]
+    prefix: bytes  # the bytes read so far, replayed before ``chunks``
+    chunks: AsyncIterator[bytes]
+
+
+async def streamed_form_admin(request: Request) -> StreamedForm:
+    """The upload form's session guard (``form_admin`` would read the whole body first): a
+    live session, and the CSRF token as the form's first field; else 403 before any file."""
     session = await current_session(request)
     if session is None:
         raise Refused(
@@ -409,8 +421,14 @@ async def upload(request: Request) -> Response:
     token = leading[0][1] if leading and leading[0][0] == CSRF_FIELD else None
     if not session.csrf_matches(token):
         raise csrf_refused()
-    admin = Admin(session)
+    return StreamedForm(Admin(session), leading, prefix, chunks)
 
+
+@router.post(UPLOAD)
+async def upload(
+    request: Request, form: Annotated[StreamedForm, Depends(streamed_form_admin)]
+) -> Response:
+    admin, leading, prefix, chunks = form.admin, form.leading, form.prefix, form.chunks
     registry = _registry(request)
     platform = webui_of(request).platform
     limit = registry.settings.max_adapter_bytes

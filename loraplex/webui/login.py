@@ -67,6 +67,12 @@ def _login_page(
     return response
 
 
+@router.get("/admin/")
+async def overview_slash(request: Request) -> Response:
+    """``/admin/`` is the Overview's address too (public: the Overview asks for the session)."""
+    return redirect(request, "/admin", status=307)
+
+
 @router.get(LOGIN_PATH)
 async def login_form(request: Request) -> Response:
     next_path = safe_next(request.query_params.get("next"))
@@ -97,17 +103,18 @@ async def login(request: Request) -> Response:
             "or it was sent from another site. Open the sign-in page again and retry.",
             action=("Open the sign-in page", LOGIN_PATH),
         )
-    wait = webui.throttle.retry_after(client)
-    if wait:
-        return _throttled(request, cookie_token, next_path, wait)
-
+    # The throttle slows down failures, never the right token: a neighbour behind the same
+    # proxy (one address) cannot lock the operator out by failing on purpose. Guessing gains
+    # nothing from this: the token has at least 16 characters (a generated one 256 bits), and
+    # every wrong guess while throttled still costs the guesser a 429.
     token_value = form.get("token")
     candidate = token_value if isinstance(token_value, str) else ""
     platform = webui.platform
     version = await platform.db.run(lambda s: verify_admin_token(platform, s, candidate))
     if version is None:
+        throttled = webui.throttle.retry_after(client)
         webui.throttle.failed(client)
-        wait = webui.throttle.retry_after(client)
+        wait = throttled or webui.throttle.retry_after(client)
         if wait:
             return _throttled(request, cookie_token, next_path, wait)
         if not candidate.strip():

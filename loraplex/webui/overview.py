@@ -13,7 +13,6 @@ from loraplex.webui.context import (
     NavItem,
     Polling,
     SignedIn,
-    redirect,
     render,
     secure_headers,
     webui_of,
@@ -65,11 +64,6 @@ async def _state(request: Request) -> dict[str, Any]:
 @router.get("/admin")
 async def overview(request: Request, admin: SignedIn) -> Response:
     return render(request, "overview.html", admin=admin, title="Overview", **await _state(request))
-
-
-@router.get("/admin/")
-async def overview_slash(request: Request) -> Response:
-    return redirect(request, "/admin", status=307)
 
 
 @router.get("/admin/overview.json")

@@ -22,6 +22,7 @@ from loraplex.engine.records import TokenLogprobs
 from loraplex.sampling_params import SamplingParams
 
 EOS = 2
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FIRST_TOKEN = 10  # unseeded samples count up from here: t10 t11 t12 ...
 
 
@@ -45,6 +46,7 @@ class FakeEngineClient(EngineClient):
     model_dir: str
     max_model_len: int = 64
     vocab_size: int = 512
+    max_lora_rank: int = 64
     eos_after: int | None = None
     die_after: int | None = None
     step_delay: float = 0.0
@@ -75,6 +77,10 @@ class FakeEngineClient(EngineClient):
             eos_token_ids=(EOS,),
             block_size=16,
             num_blocks=64,
+            max_lora_rank=self.max_lora_rank,
+            max_loras=4,
+            max_cpu_loras=16,
+            lora_target_modules=LORA_TARGET_MODULES,
         )
 
     async def start(self) -> None:

@@ -27,7 +27,7 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
-from loraplex.engine.client import AdapterInfo, EngineDeadError, EngineInfo
+from loraplex.engine.client import AdapterInfo, EngineDeadError
 from loraplex.platform.db.models import Adapter, AdapterVersion
 from tests.conftest import make_tiny_model
 from tests.platform.conftest import add_chat_template
@@ -115,11 +115,6 @@ def _build_models(root: Path) -> RegistryModels:
 # ---- an engine that knows adapters as the real one does --------------------------------------
 
 
-@dataclass(frozen=True)
-class RankedEngineInfo(EngineInfo):
-    max_lora_rank: int = MAX_LORA_RANK
-
-
 @dataclass
 class RegistryEngine(FakeEngineClient):
     """``add_lora`` validates with ``load_adapter`` against the tiny model; keys are content
@@ -131,8 +126,8 @@ class RegistryEngine(FakeEngineClient):
     advertised_rank: int = MAX_LORA_RANK  # info.max_lora_rank; add_lora enforces MAX_LORA_RANK
 
     def __post_init__(self) -> None:
+        self.max_lora_rank = self.advertised_rank  # what EngineInfo tells the platform
         super().__post_init__()
-        self.info = RankedEngineInfo(**vars(self.info), max_lora_rank=self.advertised_rank)
 
     async def _load_lora(self, name: str, path: str, pinned: bool) -> AdapterInfo:
         from transformers import AutoConfig

@@ -27,7 +27,7 @@ from loraplex.platform import tenants
 from loraplex.platform.app import ServerSettings, create_app
 from loraplex.platform.db import migrate
 from loraplex.platform.db.database import sqlite_url
-from loraplex.platform.tenancy import Platform, TenancySettings, install_tenancy
+from loraplex.platform.tenancy import Platform, TenancySettings
 from tests.platform.fakes import FakeEngineClient
 
 ADMIN_TOKEN = "lpx-admin-test-token-0123456789abcdef"
@@ -108,8 +108,7 @@ async def tenancy_env(
     tmp_path: Path, fake: FakeEngineClient, tokenizer: Any, **settings: Any
 ) -> AsyncIterator[TenancyEnv]:
     platform = platform_for(tmp_path, **settings)
-    app = create_app(fake, ServerSettings(), tokenizer=tokenizer)
-    install_tenancy(app, platform)
+    app = create_app(fake, ServerSettings(), tokenizer=tokenizer, platform=platform)
     transport = httpx.ASGITransport(app=app)
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:

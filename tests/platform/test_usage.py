@@ -158,8 +158,9 @@ async def test_usage_endpoint_checks_dates_and_callers(tenancy: Any) -> None:
         "/v1/usage", headers=bearer(key), params={"start": "2025-03-01", "end": "2025-03-01"}
     )
     assert r.status_code == 200 and r.json()["start"] == r.json()["end"] == "2025-03-01"
-    r = await env.http.get("/v1/usage", headers=env.admin_headers)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "not_a_tenant"
+    r = await env.http.get("/v1/usage", headers=env.admin_headers)  # a tenant route
+    assert r.status_code == 403 and r.json()["error"]["code"] == "tenant_key_required"
+    assert "/admin/api" in r.json()["error"]["message"]
     assert (await env.http.get("/v1/usage")).status_code == 401
 
 

@@ -44,8 +44,6 @@ class WebEnv:
         cls, tmp_path: Path, *, tenancy: dict[str, Any] | None = None, **webui_settings: Any
     ) -> WebEnv:
         """``tenancy``: TenancySettings overrides (``admin_token=None``: a generated token)."""
-        from loraplex.platform.tenancy import install_tenancy
-
         platform = platform_for(tmp_path, **(tenancy or {}))
         fake = FakeEngineClient(model_dir=str(tmp_path / "tiny-model"))
         fake.engine_stats.update(
@@ -59,13 +57,12 @@ class WebEnv:
             lora_resident_host=3,
             lora_registered=5,
         )
-        app = create_app(fake, ServerSettings())
-        install_tenancy(app, platform)
+        app = create_app(fake, ServerSettings(), platform=platform)
         settings = WebUISettings(**webui_settings)
         webui: WebUI | None = getattr(app.state, "webui", None)
         if webui is None:
             webui = install_webui(app, platform, settings)
-        else:  # install_tenancy mounted the UI already; the settings are read per request
+        else:  # create_app installed the UI already; the settings are read per request
             webui.settings = settings
         return cls(app, platform, fake, webui)
 

@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
+from loraplex.platform import access
 from loraplex.platform.app import ServerSettings, create_app
-from loraplex.platform.tenancy import install_tenancy
-from loraplex.webui import PAGES
+from loraplex.webui import PAGES, SESSION_GUARDS
 from loraplex.webui import adapters as adapters_page
 from loraplex.webui import playground as playground_page
 from loraplex.webui import usage as usage_page
@@ -49,7 +49,7 @@ def mount_pages(app: Any, webui: WebUI) -> None:
     for page in MY_PAGES:
         if page in PAGES:
             continue
-        app.include_router(page.router)
+        access.mount(app, page.router, "admin_ui", session_guards=SESSION_GUARDS)
         if page.NAV not in webui.nav:
             webui.nav.append(page.NAV)
 
@@ -61,8 +61,7 @@ def build_web(tmp_path: Path, models: RegistryModels, tokenizer: Any, **tenancy:
     engine.engine_stats.update(
         lora_resident_device=1, lora_resident_host=2, lora_registered=3, num_running=0
     )
-    app = create_app(engine, ServerSettings(), tokenizer=tokenizer)
-    install_tenancy(app, platform)
+    app = create_app(engine, ServerSettings(), tokenizer=tokenizer, platform=platform)
     webui: WebUI = app.state.webui
     mount_pages(app, webui)
     return WebEnv(app, platform, engine, webui)

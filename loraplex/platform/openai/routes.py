@@ -1,4 +1,6 @@
-"""The OpenAI-compatible endpoints, health, version, and the operator's adapter endpoints."""
+"""The OpenAI-compatible endpoints (``inference_router``), health and version
+(``public_router``), and the operator's adapter endpoints of a server without the platform
+(``operator_lora_router``); ``access.mount`` gives each its audience."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from loraplex.engine.client import EngineClient
-from loraplex.platform.auth import SCOPE_ADAPTERS_WRITE, SCOPE_INFERENCE, Caller, require_scope
+from loraplex.platform.access import inference_caller, operator_caller
+from loraplex.platform.auth import Caller
 from loraplex.platform.models import ModelEntry, ModelResolver
 from loraplex.platform.openai.errors import APIError, model_not_found
 from loraplex.platform.openai.protocol import (
@@ -30,10 +33,12 @@ from loraplex.platform.openai.protocol import (
 from loraplex.platform.openai.serving import OpenAIServing
 from loraplex.platform.request_log import request_record
 
-router = APIRouter()
+public_router = APIRouter()
+inference_router = APIRouter()
+operator_lora_router = APIRouter()
 
-inference_caller = Depends(require_scope(SCOPE_INFERENCE))
-adapter_writer = Depends(require_scope(SCOPE_ADAPTERS_WRITE))
+inference = Depends(inference_caller)
+operator = Depends(operator_caller)
 
 _HEALTH_STATS = (
     "num_running",
@@ -62,17 +67,15 @@ def _card(entry: ModelEntry, max_model_len: int) -> ModelCard:
     )
 
 
-@router.get("/v1/models", response_model=ModelList)
-async def list_models(request: Request, caller: Caller = inference_caller) -> ModelList:
+@inference_router.get("/v1/models", response_model=ModelList)
+async def list_models(request: Request, caller: Caller = inference) -> ModelList:
     serving = _serving(request)
     limit = serving.client.info.max_model_len
     return ModelList(data=[_card(e, limit) for e in await serving.resolver.models(caller)])
 
 
-@router.get("/v1/models/{name:path}", response_model=ModelCard)
-async def retrieve_model(
-    name: str, request: Request, caller: Caller = inference_caller
-) -> ModelCard:
+@inference_router.get("/v1/models/{name:path}", response_model=ModelCard)
+async def retrieve_model(name: str, request: Request, caller: Caller = inference) -> ModelCard:
     serving = _serving(request)
     for entry in await serving.resolver.models(caller):
         if entry.name == name:
@@ -80,9 +83,9 @@ async def retrieve_model(
     raise model_not_found(name)
 
 
-@router.post("/v1/completions", response_model=CompletionResponse)
+@inference_router.post("/v1/completions", response_model=CompletionResponse)
 async def create_completion(
-    body: CompletionRequest, request: Request, response: Response, caller: Caller = inference_caller
+    body: CompletionRequest, request: Request, response: Response, caller: Caller = inference
 ) -> CompletionResponse | Response:
     result = await _serving(request).completions(body, caller, request)
     response.headers["X-Request-Id"] = request_record(request).request_id or ""
@@ -90,12 +93,12 @@ async def create_completion(
     return result
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+@inference_router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
 async def create_chat_completion(
     body: ChatCompletionRequest,
     request: Request,
     response: Response,
-    caller: Caller = inference_caller,
+    caller: Caller = inference,
 ) -> ChatCompletionResponse | Response:
     result = await _serving(request).chat(body, caller, request)
     response.headers["X-Request-Id"] = request_record(request).request_id or ""
@@ -103,9 +106,9 @@ async def create_chat_completion(
     return result
 
 
-@router.post("/v1/load_lora_adapter", response_model=AdapterCard)
+@operator_lora_router.post("/v1/load_lora_adapter", response_model=AdapterCard)
 async def load_lora_adapter(
-    body: LoadLoRARequest, request: Request, caller: Caller = adapter_writer
+    body: LoadLoRARequest, request: Request, caller: Caller = operator
 ) -> AdapterCard:
     serving = _serving(request)
     resolver: ModelResolver = serving.resolver
@@ -130,9 +133,9 @@ async def load_lora_adapter(
     )
 
 
-@router.post("/v1/unload_lora_adapter", response_model=Deleted)
+@operator_lora_router.post("/v1/unload_lora_adapter", response_model=Deleted)
 async def unload_lora_adapter(
-    body: UnloadLoRARequest, request: Request, caller: Caller = adapter_writer
+    body: UnloadLoRARequest, request: Request, caller: Caller = operator
 ) -> Deleted:
     serving = _serving(request)
     resolver = serving.resolver
@@ -154,7 +157,7 @@ async def unload_lora_adapter(
     return Deleted(id=body.lora_name)
 
 
-@router.get("/health", response_model=Health)
+@public_router.get("/health", response_model=Health)
 async def health(request: Request) -> Health | Response:
     """200 while the engine serves, 503 otherwise; no credentials needed (load balancers)."""
     client: EngineClient = _serving(request).client
@@ -176,7 +179,7 @@ async def health(request: Request) -> Health | Response:
     return JSONResponse(body.model_dump(), status_code=503)
 
 
-@router.get("/version", response_model=Version)
+@public_router.get("/version", response_model=Version)
 async def version() -> Version:
     try:
         return Version(version=metadata.version("loraplex"))

@@ -2,8 +2,8 @@
 content-addressed on disk, and select them by ``model`` = ``name`` or ``name@N``.
 
 ``install`` puts the ``Registry`` on ``app.state.registry``, makes it the resolver of tenant
-callers' models (``ModelResolver.tenant_models``), applies ``share_prefix_cache``, and adds the
-routes of ``registry.routes``. Modules: ``names`` (adapter names, ``name@N``), ``upload``
+callers' models (``ModelResolver.tenant_models``) and applies ``share_prefix_cache``; the app
+mounts the routers of ``registry.routes`` (see ``app.mount_routes``). Modules: ``names`` (adapter names, ``name@N``), ``upload``
 (streamed multipart), ``validate`` (the engine's checks, in a worker thread), ``storage`` (files),
 ``records`` (what leaves a session), ``service`` (rows + files + engine), ``resolver``,
 ``routes``.
@@ -20,9 +20,8 @@ if TYPE_CHECKING:  # the package stays light: app.py imports registry.upload wit
 
 
 def install(app: FastAPI, platform: Platform) -> None:
-    """Install this component's state on ``app.state`` and its routes."""
+    """Install this component's state on ``app.state``."""
     from loraplex.platform.registry.resolver import RegistryModels
-    from loraplex.platform.registry.routes import router
     from loraplex.platform.registry.service import Registry
 
     serving = app.state.serving
@@ -31,4 +30,3 @@ def install(app: FastAPI, platform: Platform) -> None:
     app.state.registry = registry
     serving.resolver.tenant_models = RegistryModels(registry)
     serving.resolver.share_base_prefix_cache = platform.settings.share_prefix_cache
-    app.include_router(router)

@@ -11,27 +11,19 @@ from __future__ import annotations
 import datetime as dt
 from typing import Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from loraplex.platform import tenants
-from loraplex.platform.auth import (
-    SCOPE_ADAPTERS_WRITE,
-    SCOPE_ADMIN,
-    Caller,
-    get_caller,
-    require_scope,
-)
+from loraplex.platform.access import OperatorCaller, TenantCaller, TenantWriter
+from loraplex.platform.auth import Caller
 from loraplex.platform.openai.errors import PERMISSION, APIError
 from loraplex.platform.registry.records import AdapterView, VersionView
 from loraplex.platform.registry.service import Registry, parse_tenant_id
 from loraplex.platform.registry.upload import check_content_length, receive_upload
 
-router = APIRouter()
-
-any_caller = Depends(get_caller)
-adapter_writer = Depends(require_scope(SCOPE_ADAPTERS_WRITE))
-operator = Depends(require_scope(SCOPE_ADMIN))
+tenant_router = APIRouter()  # a tenant's own adapters (audience "tenant")
+operator_router = APIRouter()  # any tenant's, for the operator (audience "operator")
 
 
 class AdapterVersionCard(BaseModel):
@@ -148,33 +140,31 @@ async def _delete(registry: Registry, tenant_id: int, actor: str, ref: str) -> A
 # ---- a tenant's own adapters -------------------------------------------------------------------
 
 
-@router.post("/v1/adapters", response_model=AdapterCard, status_code=201)
-async def upload_adapter(request: Request, caller: Caller = adapter_writer) -> AdapterCard:
+@tenant_router.post("/v1/adapters", response_model=AdapterCard, status_code=201)
+async def upload_adapter(request: Request, caller: TenantWriter) -> AdapterCard:
     """Multipart: ``name``, optional ``description``, and the adapter as
     ``adapter_config.json`` + ``adapter_model.safetensors`` or one .zip / .tar.gz / .tar."""
     tenant_id = _own_tenant(caller)
     return await _upload(request, _registry(request), tenant_id, caller.id)
 
 
-@router.get("/v1/adapters", response_model=AdapterList)
-async def list_adapters(request: Request, caller: Caller = any_caller) -> AdapterList:
+@tenant_router.get("/v1/adapters", response_model=AdapterList)
+async def list_adapters(request: Request, caller: TenantCaller) -> AdapterList:
     registry = _registry(request)
     views = await registry.list_adapters(_own_tenant(caller))
     return AdapterList(data=[_card(v, registry.resolver.base_name) for v in views])
 
 
-@router.get("/v1/adapters/{ref}", response_model=AdapterCard)
-async def get_adapter(ref: str, request: Request, caller: Caller = any_caller) -> AdapterCard:
+@tenant_router.get("/v1/adapters/{ref}", response_model=AdapterCard)
+async def get_adapter(ref: str, request: Request, caller: TenantCaller) -> AdapterCard:
     """``name`` (every version) or ``name@N`` (that version)."""
     registry = _registry(request)
     view = await registry.get_adapter(_own_tenant(caller), ref)
     return _card(view, registry.resolver.base_name)
 
 
-@router.delete("/v1/adapters/{ref}", response_model=AdapterDeleted)
-async def delete_adapter(
-    ref: str, request: Request, caller: Caller = adapter_writer
-) -> AdapterDeleted:
+@tenant_router.delete("/v1/adapters/{ref}", response_model=AdapterDeleted)
+async def delete_adapter(ref: str, request: Request, caller: TenantWriter) -> AdapterDeleted:
     """``name`` deletes every version; ``name@N`` one version (the last one: the adapter)."""
     return await _delete(_registry(request), _own_tenant(caller), caller.id, ref)
 
@@ -182,35 +172,35 @@ async def delete_adapter(
 # ---- the operator, for any tenant --------------------------------------------------------------
 
 
-@router.post("/admin/api/tenants/{tenant}/adapters", response_model=AdapterCard, status_code=201)
+@operator_router.post(
+    "/admin/api/tenants/{tenant}/adapters", response_model=AdapterCard, status_code=201
+)
 async def admin_upload_adapter(
-    tenant: str, request: Request, caller: Caller = operator
+    tenant: str, request: Request, caller: OperatorCaller
 ) -> AdapterCard:
     registry = _registry(request)
     return await _upload(request, registry, await _tenant_named(registry, tenant), caller.id)
 
 
-@router.get("/admin/api/tenants/{tenant}/adapters", response_model=AdapterList)
-async def admin_list_adapters(
-    tenant: str, request: Request, caller: Caller = operator
-) -> AdapterList:
+@operator_router.get("/admin/api/tenants/{tenant}/adapters", response_model=AdapterList)
+async def admin_list_adapters(tenant: str, request: Request, caller: OperatorCaller) -> AdapterList:
     registry = _registry(request)
     views = await registry.list_adapters(await _tenant_named(registry, tenant))
     return AdapterList(data=[_card(v, registry.resolver.base_name) for v in views])
 
 
-@router.get("/admin/api/tenants/{tenant}/adapters/{ref}", response_model=AdapterCard)
+@operator_router.get("/admin/api/tenants/{tenant}/adapters/{ref}", response_model=AdapterCard)
 async def admin_get_adapter(
-    tenant: str, ref: str, request: Request, caller: Caller = operator
+    tenant: str, ref: str, request: Request, caller: OperatorCaller
 ) -> AdapterCard:
     registry = _registry(request)
     view = await registry.get_adapter(await _tenant_named(registry, tenant), ref)
     return _card(view, registry.resolver.base_name)
 
 
-@router.delete("/admin/api/tenants/{tenant}/adapters/{ref}", response_model=AdapterDeleted)
+@operator_router.delete("/admin/api/tenants/{tenant}/adapters/{ref}", response_model=AdapterDeleted)
 async def admin_delete_adapter(
-    tenant: str, ref: str, request: Request, caller: Caller = operator
+    tenant: str, ref: str, request: Request, caller: OperatorCaller
 ) -> AdapterDeleted:
     registry = _registry(request)
     return await _delete(registry, await _tenant_named(registry, tenant), caller.id, ref)

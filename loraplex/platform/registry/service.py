@@ -66,7 +66,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-DEFAULT_MAX_LORA_RANK = 64  # LoRAConfig's default, when the engine does not say its own
+REGISTRY_OWNER = "registry"  # the registry's reference to an engine copy (see EngineClient)
 STALE_UPLOAD_S = 600.0  # a "validating" row this old was left by a crash
 MAX_DESCRIPTION = 2000
 
@@ -80,8 +80,8 @@ class Registry:
         self.client = client
         self.resolver = resolver  # the base model's name; the operator's own adapters
         self._lock = asyncio.Lock()  # version rows and stored files change together under it
-        self._loaded: set[str] = set()  # content hashes this registry loaded into the engine
         self._loading: dict[str, asyncio.Lock] = {}
+        self._removals: set[asyncio.Task[None]] = set()  # files waiting for their engine copy
         self._base: BaseModelInfo | None = None
 
     async def _db(self, fn: Callable[[Session], T]) -> T:
@@ -89,8 +89,8 @@ class Registry:
 
     @property
     def max_lora_rank(self) -> int:
-        rank = getattr(self.client.info, "max_lora_rank", None)
-        return int(rank) if isinstance(rank, int) else DEFAULT_MAX_LORA_RANK
+        """The engine's own limit (``EngineInfo``): uploads above it are refused."""
+        return self.client.info.max_lora_rank
 
     def tenant_limit(self, tenant: Tenant) -> int:
         return (
@@ -127,7 +127,8 @@ class Registry:
         async with self._lock:
             referenced = set(await self._db(_all_hashes))
             stale = [h for h in self.storage.stored_hashes() if h not in referenced]
-            stale += [h for h in self._loaded if h not in referenced and h not in stale]
+            held = self.client.lora_keys(REGISTRY_OWNER)
+            stale += [h for h in held if h not in referenced and h not in stale]
             await self._drop(stale)
         return stale
 
@@ -185,32 +186,29 @@ class Registry:
 
     # ---- the engine --------------------------------------------------------------------------
 
-    def _engine_has(self, key: str) -> bool:
-        return key in self._loaded or key in self.resolver.operator_keys()
-
     async def ensure_loaded(self, key: str, storage_path: str, label: str) -> None:
-        """Load the stored adapter into the engine unless it is there; concurrent callers for
-        one key wait for a single ``add_lora``. Raises what ``add_lora`` raises (``AdapterError``,
+        """Make sure the engine holds the stored adapter, with the registry's reference: the
+        engine's own copy is what counts (another owner's, or one that survived a restart,
+        is shared; a removed one is added again). Concurrent callers for one key wait for a
+        single ``add_lora``. Raises what ``add_lora`` raises (``AdapterError``,
         ``EngineDeadError``)."""
-        if self._engine_has(key):
+        path = str(self.storage.path_of(storage_path))
+        if self.client.retain_lora(key, REGISTRY_OWNER, path):
             return
         lock = self._loading.setdefault(key, asyncio.Lock())
         try:
             async with lock:
-                if self._engine_has(key):
+                if self.client.retain_lora(key, REGISTRY_OWNER, path):
                     return
-                path = self.storage.path_of(storage_path)
-                info = await self.client.add_lora(label, str(path))
+                info = await self.client.add_lora(label, path, owner=REGISTRY_OWNER)
                 if info.key != key:
                     # The registry and the engine hash adapters with the same function; a
                     # mismatch means the files changed on disk or the versions differ.
-                    if not self._engine_has(info.key):
-                        await self.client.remove_lora(info.key)
+                    await self.client.release_lora(info.key, owner=REGISTRY_OWNER)
                     raise RuntimeError(
                         f"the engine loaded {label} as {info.key[:12]}, but the registry "
                         f"recorded {key[:12]}; the stored files at {path} changed"
                     )
-                self._loaded.add(key)
         finally:
             if not lock.locked():
                 self._loading.pop(key, None)
@@ -235,27 +233,35 @@ class Registry:
                 code="adapter_load_failed",
             ) from None
 
-    async def _unload(self, key: str) -> bool:
-        """Remove ``key`` from the engine unless the operator loaded it too; False when the
-        engine still needs it (requests running on it)."""
-        if key not in self._loaded or key in self.resolver.operator_keys():
-            self._loaded.discard(key)
-            return True  # not loaded by this registry, or the operator's too: leave it
-        self._loaded.discard(key)
-        try:
-            await self.client.remove_lora(key)
-        except ValueError as exc:  # still used by running requests: it stays, files too
-            logger.warning("registry: adapter %s stays in the engine: %s", key[:12], exc)
-            return False
-        except EngineDeadError:
-            pass  # the engine forgets everything when it dies
-        return True
-
     async def _drop(self, hashes: list[str]) -> None:
-        """Unload and delete content no version names (call with the lock held)."""
+        """Release content no version names any more, and delete its files once the engine
+        copy is gone (call with the lock held). A copy that requests still use is removed when
+        the last of them ends; its files go then (``_remove_when_released``)."""
         for key in hashes:
-            if await self._unload(key):
-                await anyio.to_thread.run_sync(self.storage.remove, key)
+            release = await self.client.release_lora(key, owner=REGISTRY_OWNER)
+            if release.removed.done():
+                await self._remove_files(key)
+            else:
+                task = asyncio.create_task(self._remove_when_released(key, release.removed))
+                self._removals.add(task)
+                task.add_done_callback(self._removals.discard)
+
+    async def _remove_when_released(self, key: str, removed: asyncio.Future[bool]) -> None:
+        await asyncio.shield(removed)
+        async with self._lock:
+            if not await self._db(lambda s: _is_referenced(s, key)):
+                await self._remove_files(key)
+
+    async def _remove_files(self, key: str) -> None:
+        """Delete stored content unless the registry holds an engine copy reading it (a new
+        version of the same content took it meanwhile). Call with the lock held."""
+        if REGISTRY_OWNER not in self.client.lora_owners(key):
+            await anyio.to_thread.run_sync(self.storage.remove, key)
+
+    async def drain_removals(self) -> None:
+        """Wait for removals that wait on running requests (tests; shutdown)."""
+        while self._removals:
+            await asyncio.gather(*self._removals, return_exceptions=True)
 
     # ---- upload ------------------------------------------------------------------------------
 
@@ -297,6 +303,7 @@ class Registry:
             if refused is None:
                 raise
             raise adapter_error(refused) from None
+        self._check_targets(checked)
         async with self._lock:
             added = await self._db(
                 lambda s: self._add_version(s, tenant_id, name, description, checked)
@@ -323,6 +330,20 @@ class Registry:
                 raise adapter_error(refused) from None
             raise
         return view
+
+    def _check_targets(self, checked: ValidatedAdapter) -> None:
+        """The engine says which modules it applies adapters to (``EngineInfo``)."""
+        served = self.client.info.lora_target_modules
+        unserved = sorted(set(checked.target_modules) - set(served))
+        if unserved:
+            raise APIError(
+                400,
+                f"The adapter was refused: LoRA on {', '.join(unserved)} is not served by this "
+                f"engine, which applies adapters to {', '.join(served) or 'no module'}; retrain "
+                "with target_modules among those.",
+                param="file",
+                code="unsupported_target",
+            )
 
     def _base_sync(self) -> BaseModelInfo:
         """The base model's geometry (read once, in a worker thread, from its config.json)."""
