@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -117,14 +118,18 @@ def run(args: argparse.Namespace, out: Any = None, err: Any = None) -> int:
     """Run a ``db`` or ``admin`` command; 0 on success, 1 after printing one line on failure."""
     out = out or sys.stdout
     err = err or sys.stderr
-    where = ""
+    shown = ""
     try:
         settings = settings_from(args)
-        where = f" ({shown_url(settings.resolved_database_url)})"
+        url = settings.resolved_database_url
+        shown = shown_url(url)
+        if not (args.command == "db" and args.db_command in ("upgrade", "current")):
+            _require_database(args, url)  # only 'db upgrade' creates a database
         if args.command == "db":
             _db(args, settings, out)
         else:
             _admin(args, settings, out, err)
+            print(f"loraplex: database {shown}", file=err)
         return 0
     except CommandError as exc:
         message = str(exc)
@@ -134,9 +139,44 @@ def run(args: argparse.Namespace, out: Any = None, err: Any = None) -> int:
         message = str(exc)
     except SQLAlchemyError as exc:
         first = str(getattr(exc, "orig", None) or exc).strip().splitlines()
-        message = f"database error{where}: {first[0] if first else type(exc).__name__}"
+        message = f"database error ({shown}): {first[0] if first else type(exc).__name__}"
+    if shown and shown not in message:
+        message += f" (database {shown})"
     print(f"loraplex: error: {' '.join(message.split())}", file=err)
     return 1
+
+
+def _sqlite_file(url: str) -> Path | None:
+    parsed = make_url(url)
+    database = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:":
+        return None
+    return None if database.startswith("file:") else Path(database)
+
+
+def _require_database(args: argparse.Namespace, url: str) -> None:
+    """A SQLite file that does not exist is not created here (only by 'db upgrade'): it is
+    most likely the wrong data directory, and a new database there is one the server never
+    reads."""
+    path = _sqlite_file(url)
+    if path is None or path.exists():
+        return
+    if args.database_url is not None:
+        source = "--database-url"
+    elif args.data_dir is not None:
+        source = "--data-dir"
+    elif os.environ.get("LORAPLEX_DATABASE_URL"):
+        source = "LORAPLEX_DATABASE_URL"
+    elif os.environ.get("LORAPLEX_DATA_DIR"):
+        source = "LORAPLEX_DATA_DIR"
+    else:
+        source = "the default data directory"
+    raise CommandError(
+        f"there is no database at {path} (from {source}); pass the --data-dir or "
+        "--database-url the server runs with (or set LORAPLEX_DATA_DIR / "
+        "LORAPLEX_DATABASE_URL), or, to start a new database there, run 'loraplex db upgrade' "
+        "with these settings"
+    )
 
 
 def _cli_message(exc: APIError) -> str:
@@ -149,14 +189,20 @@ def _cli_message(exc: APIError) -> str:
 
 def _db(args: argparse.Namespace, settings: TenancySettings, out: Any) -> None:
     url = settings.resolved_database_url
-    if args.data_dir is not None or settings.database_url is None:
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
-    before = migrate.current(url)
+    if args.db_command == "upgrade" and (
+        args.data_dir is not None or settings.database_url is None
+    ):
+        settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = _sqlite_file(url)
+    missing = path is not None and not path.exists()
+    before = None if missing else migrate.current(url)  # reading creates no file
     if args.db_command == "current":
         newest = migrate.head()
         state = (
             "up to date" if before == newest else f"newest is {newest}; run 'loraplex db upgrade'"
         )
+        if missing:
+            state = f"no file yet; {state}"
         print(f"{before or 'none (empty database)'} ({state}) {shown_url(url)}", file=out)
         return
     if args.db_command == "upgrade":

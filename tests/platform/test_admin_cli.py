@@ -152,6 +152,34 @@ def test_the_data_dir_comes_from_the_environment_or_the_flag(
     assert out == "" and "no tenants yet" in err
 
 
+def test_a_command_on_a_missing_database_names_it_and_creates_nothing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The server runs on another data dir; the admin forgot --data-dir. Nothing is created
+    where the server does not look, and the one line says which database was meant."""
+    server_dir = tmp_path / "server-data"
+    assert cli(capsys, "db", "upgrade", "--data-dir", str(server_dir))[0] == 0
+    default = tmp_path / "data"  # LORAPLEX_DATA_DIR of this test
+    for args in (
+        ["admin", "tenant", "create", "acme"],
+        ["admin", "tenant", "list"],
+        ["admin", "key", "create", "acme"],
+        ["admin", "token", "rotate"],
+        ["db", "downgrade", "base"],
+    ):
+        code, out, err = cli(capsys, *args)
+        line = one_error_line(err)
+        assert code == 1 and out == "", (args, out)
+        assert str(default / "loraplex.db") in line and "LORAPLEX_DATA_DIR" in line, line
+        assert "--data-dir" in line and "db upgrade" in line, line
+        assert not default.exists(), f"{args} created {default}"
+    code, out, _ = cli(capsys, "db", "current")  # reads, creates nothing
+    assert code == 0 and str(default / "loraplex.db") in out and "no file yet" in out
+    assert not default.exists()
+    code, out, err = cli(capsys, "admin", "tenant", "create", "acme", "--data-dir", str(server_dir))
+    assert code == 0 and f"database sqlite:///{server_dir / 'loraplex.db'}" in err
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
