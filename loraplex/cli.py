@@ -97,6 +97,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
 
+    prep = commands.add_parser(
+        "prepare",
+        help="convert the model and build the native kernels now (for an image build)",
+        description="Do once, now, what the first start would do: convert the embedded model "
+        "(or resolve MODEL) into the cache, and build the native CPU kernels. Prints the model "
+        "directory.",
+    )
+    prep.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="local Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)",
+    )
+
     bench = commands.add_parser("bench", help="benchmarks (results as JSON in bench-results/)")
     benches = bench.add_subparsers(dest="bench", metavar="BENCHMARK", parser_class=_Parser)
     benches.required = True
@@ -286,6 +301,26 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare(args: argparse.Namespace) -> int:
+    import time
+
+    from loraplex.engine.default_model import resolve_model_dir
+    from loraplex.kernels import native
+
+    start = time.perf_counter()
+    model_dir = resolve_model_dir(args.model)
+    print(f"{PROG}: model ready in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    start = time.perf_counter()
+    try:
+        native.build_library()
+        kernels = f"built in {time.perf_counter() - start:.1f} s"
+    except native.NativeBuildError as exc:  # the torch paths serve without them
+        kernels = f"not built ({_one_line(exc)}); the torch paths will be used"
+    print(f"{PROG}: native CPU kernels {kernels}", file=sys.stderr)
+    print(model_dir)
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from loraplex.platform.serve import run_serve
 
@@ -314,6 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(args)
         if args.command == "generate":
             return _generate(args)
+        if args.command == "prepare":
+            return _prepare(args)
         if args.command == "bench" and args.bench == "throughput":
             return _throughput(args)
         if args.command in ("db", "admin"):
