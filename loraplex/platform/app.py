@@ -40,7 +40,22 @@ class ServerSettings(BaseSettings):
     metrics_token: SecretStr | None = Field(
         None, description="token that may read /metrics (besides admin callers)"
     )
-    max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    max_request_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=1024,
+        le=1024**3,
+        description="largest request body accepted (bytes); larger ones get 413 unread. The "
+        "default holds the largest useful request at an 8k context (64 prompts of 8,192 token "
+        "ids); raise it for longer contexts",
+    )
+    default_max_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="max_tokens of a chat request that sets neither max_tokens nor "
+        "max_completion_tokens (cut to the room the prompt leaves); None: up to the context. "
+        "/v1/completions always defaults to 16, as OpenAI does",
+    )
     max_n: int = Field(16, ge=1, le=256)
     max_prompts: int = Field(64, ge=1, le=4096)
 
@@ -108,7 +123,11 @@ def create_app(
     serving = OpenAIServing(
         client,
         resolver,
-        ServingConfig(max_n=settings.max_n, max_prompts=settings.max_prompts),
+        ServingConfig(
+            max_n=settings.max_n,
+            max_prompts=settings.max_prompts,
+            default_max_tokens=settings.default_max_tokens,
+        ),
         tokenizer,
     )
 

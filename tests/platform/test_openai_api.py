@@ -40,13 +40,18 @@ async def test_completion_shape_and_usage(api: httpx.AsyncClient, fake: FakeEngi
     assert sub.lora_key is None and fake.aborted == []
 
 
-async def test_max_tokens_omitted_runs_to_the_context(
+async def test_max_tokens_omitted_is_16_for_completions_and_the_context_for_chat(
     api: httpx.AsyncClient, fake: FakeEngineClient
 ) -> None:
     r = await post(api, "/v1/completions", {"model": BASE, "prompt": [30, 31]})
     assert r.status_code == 200, r.text
-    assert fake.submitted[0].params.max_tokens is None
-    assert r.json()["usage"]["completion_tokens"] == fake.max_model_len - 2
+    assert fake.submitted[0].params.max_tokens == 16  # OpenAI's and vLLM's default
+    assert r.json()["usage"]["completion_tokens"] == 16
+    r = await post(api, "/v1/chat/completions", CHAT)
+    assert r.status_code == 200, r.text
+    assert fake.submitted[1].params.max_tokens is None
+    usage = r.json()["usage"]
+    assert usage["completion_tokens"] == fake.max_model_len - usage["prompt_tokens"]
 
 
 async def test_chat_completion_uses_the_chat_template(

@@ -4,19 +4,54 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraplex.platform.openai.errors import clip, invalid_request
+from loraplex.platform.openai.errors import clip, invalid_request, shorten
 from loraplex.platform.openai.protocol import ChatMessage
 
 
 def render_chat(
-    tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    continue_final_message: bool = False,
 ) -> list[int]:
+    """The prompt's token ids (``render_chat_text``, then tokenized)."""
+    text = render_chat_text(
+        tokenizer,
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+    )
+    return tokenize_chat(tokenizer, text)
+
+
+def render_chat_text(
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: bool = False,
+) -> str:
+    """The conversation through the model's chat template, as Hugging Face renders it.
+
+    ``add_generation_prompt``: the text ends with the assistant's turn opener (the template's
+    generation prompt). ``continue_final_message``: the last message, the assistant's, is left
+    open (the template's text after its content is cut), so the model continues it; the two
+    exclude each other (the caller checks).
+    """
     if not messages:
         raise invalid_request(
             "messages is empty; send at least one message, e.g. "
             '[{"role": "user", "content": "Hello"}].',
             "messages",
             "empty_messages",
+        )
+    if continue_final_message and messages[-1].role != "assistant":
+        raise invalid_request(
+            f"continue_final_message continues the last message, which must be the "
+            f"assistant's; messages[{len(messages) - 1}] is a {messages[-1].role} message. End "
+            "the messages with the assistant's partial answer, or drop continue_final_message.",
+            "continue_final_message",
+            "invalid_value",
         )
     conversation = [_template_message(m, i) for i, m in enumerate(messages)]
     if not getattr(tokenizer, "chat_template", None):
@@ -30,20 +65,30 @@ def render_chat(
 
     try:
         text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            conversation,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
         )
     except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
-        # Templates refuse some conversations on purpose (e.g. "roles must alternate").
+        # Templates refuse some conversations on purpose (e.g. "roles must alternate"), and
+        # continue_final_message fails where a template rewrites the last message (its message
+        # quotes the whole rendered prompt: cut).
         raise invalid_request(
-            f"The model's chat template cannot format these messages: {exc}. Change the "
-            "messages (their roles and order) to what this model accepts.",
+            f"The model's chat template cannot format these messages: {shorten(str(exc), 300)}. "
+            "Change the messages (their roles and order) to what this model accepts.",
             "messages",
             "chat_template_error",
         ) from None
     if not isinstance(text, str):
         raise TypeError(f"apply_chat_template returned {type(text).__name__}, not str")
-    # The template writes the special tokens (BOS and the like) itself.
-    ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+    return text
+
+
+def tokenize_chat(tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
+    """A rendered conversation's token ids; the template writes the special tokens (BOS and the
+    like) itself, so by default none are added."""
+    ids = list(tokenizer(text, add_special_tokens=add_special_tokens, verbose=False).input_ids)
     if not ids:
         raise invalid_request(
             "The messages render to an empty prompt; send some text.", "messages", "empty_prompt"
@@ -76,6 +121,13 @@ def _template_message(message: ChatMessage, i: int) -> dict[str, Any]:
         text = content or ""
     # "developer" is OpenAI's newer name for "system"; templates know only "system".
     role = "system" if message.role == "developer" else message.role
+    if message.tool_calls:
+        raise invalid_request(
+            f"messages[{i}] holds tool_calls; function calling is not supported, so tool calls "
+            f"cannot be part of the conversation. Remove 'messages[{i}].tool_calls'.",
+            f"messages[{i}].tool_calls",
+            "unsupported_parameter",
+        )
     out: dict[str, Any] = {"role": role, "content": text}
     if message.name is not None:
         out["name"] = message.name

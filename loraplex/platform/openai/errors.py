@@ -104,6 +104,11 @@ def clip(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def shorten(text: str, limit: int = 80) -> str:
+    """``text`` cut to ``limit`` characters (for a request's own text in a message)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def loc_to_param(loc: Sequence[int | str]) -> str | None:
     """``("body", "messages", 0, "role")`` -> ``"messages[0].role"``; ``None`` for the body."""
     parts = [p for p in loc if p not in ("body", "query", "path", "header")]
@@ -207,7 +212,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        return _answer(request, _http_error(exc))
+        return _answer(request, _http_error(exc, request))
 
     async def on_engine_dead(request: Request, exc: Exception) -> JSONResponse:
         return _answer(request, engine_unavailable(str(exc) or "it stopped"))
@@ -236,16 +241,20 @@ def _answer(request: Request, error: APIError) -> JSONResponse:
     return error.response()
 
 
-def _http_error(exc: StarletteHTTPException) -> APIError:
+def _http_error(exc: StarletteHTTPException, request: Request) -> APIError:
     status = exc.status_code
     headers = dict(exc.headers) if exc.headers else None
-    if status == 404:
+    if status == 404 and exc.detail == "Not Found":  # the router's: no route has this path
         return APIError(
             404,
-            "No such endpoint; the API lives under /v1 (models, completions, chat/completions).",
+            f"There is no endpoint {request.method} {shorten(request.url.path)}. The "
+            f"OpenAI-compatible endpoints are: {', '.join(_api_endpoints(request))}; "
+            "/openapi.json describes every endpoint.",
             type=NOT_FOUND,
             code="not_found",
         )
+    if status == 404:
+        return APIError(404, str(exc.detail), type=NOT_FOUND, code="not_found")
     if status == 405:
         return APIError(
             405,
@@ -260,7 +269,19 @@ def _http_error(exc: StarletteHTTPException) -> APIError:
             f"The request body could not be parsed: {_body_problem(exc.__cause__)}.",
             code="invalid_body",
         )
-    return APIError(status, str(exc.detail), headers=headers)
+    return APIError(status, str(exc.detail), code=f"http_{status}", headers=headers)
+
+
+def _api_endpoints(request: Request) -> list[str]:
+    """``METHOD /v1/...`` of every OpenAI-compatible endpoint, as the app's OpenAPI schema
+    documents them (so the list is never out of date)."""
+    paths: dict[str, dict[str, Any]] = request.app.openapi().get("paths", {})
+    return [
+        f"{method.upper()} {path}"
+        for path, operations in paths.items()
+        if path.startswith("/v1/")
+        for method in operations
+    ]
 
 
 def _body_problem(cause: BaseException | None) -> str:

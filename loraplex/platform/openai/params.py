@@ -7,6 +7,8 @@ from loraplex.platform.openai.errors import APIError, invalid_request
 from loraplex.platform.openai.protocol import MAX_STOP_STRINGS, SamplingFields
 from loraplex.sampling_params import SamplingParams
 
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's max_tokens default on /v1/completions
+
 
 def sampling_params(
     body: SamplingFields,
@@ -27,11 +29,14 @@ def sampling_params(
             f"n is {readable(n)}, more than the {max_n} samples this server makes for one "
             "request; ask for fewer, or send several requests.",
             "n",
+            "invalid_value",
         )
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
     if len(stops) > MAX_STOP_STRINGS:
         raise invalid_request(
-            f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed.", "stop"
+            f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed; send fewer.",
+            "stop",
+            "invalid_value",
         )
     for ids in prompts:
         check_context(len(ids), max_tokens, max_model_len, prompt_param, tokens_param)
@@ -56,6 +61,17 @@ def sampling_params(
         )
     except ValueError as exc:
         raise params_error(exc, tokens_param) from None
+
+
+def default_max_tokens(
+    default: int | None, prompts: list[list[int]], max_model_len: int
+) -> int | None:
+    """The max_tokens of a request that sets none: ``default`` cut to the room its longest
+    prompt leaves, so a default never makes a request fail; None: up to the context."""
+    if default is None:
+        return None
+    room = max_model_len - max(len(ids) for ids in prompts)
+    return min(default, room) if room >= 1 else default  # no room: check_context refuses
 
 
 def check_context(
@@ -93,11 +109,6 @@ def params_error(exc: ValueError, tokens_param: str) -> APIError:
             param = tokens_param
             message = tokens_param + message.removeprefix("max_tokens")
     return invalid_request(sentence(message), param, "invalid_value")
-
-
-def refuse(condition: bool, param: str, why: str) -> None:
-    if condition:
-        raise invalid_request(f"{why}; remove '{param}' from the request.", param, "unsupported")
 
 
 def readable(n: int) -> str:

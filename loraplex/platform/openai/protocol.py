@@ -1,6 +1,9 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic).
 
-Requests ignore unknown fields, as OpenAI does. Numbers and booleans are strict (``"n": true``,
+Requests ignore unknown fields, as OpenAI does, except the fields of OpenAI's and vLLM's schemas
+that would change the output and are not implemented: ``unsupported.UNSUPPORTED`` lists them,
+and the handlers refuse them by name (the two request bodies keep unknown fields in
+``model_extra`` for that check). Numbers and booleans are strict (``"n": true``,
 ``"temperature": "hot"`` and ``"max_tokens": 16.5`` are 400s, not coerced; ``16.0`` is the integer
 16, as JSON Schema's ``integer`` says, so the published schema holds); floats must be finite; every
 string must be valid Unicode (a lone surrogate escape such as ``"\\ud800"`` is refused here, before
@@ -83,10 +86,18 @@ def _integral(value: Any) -> Any:
 
 class StreamOptions(_Request):
     include_usage: Bool | None = False
+    continuous_usage_stats: Bool | None = False  # extension; refused when true (unsupported)
+
+
+class ResponseFormat(_Request):
+    type: Text
 
 
 class SamplingFields(_Request):
     """What completions and chat completions share."""
+
+    # Unknown fields are kept (``model_extra``) for ``unsupported.refuse_unsupported``.
+    model_config = ConfigDict(extra="allow")
 
     model: Text = Field(min_length=1, max_length=256)
     max_tokens: Int | None = Field(None, ge=1)
@@ -100,6 +111,7 @@ class SamplingFields(_Request):
     presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, Any] | None = None  # refused when non-empty: not supported
+    response_format: ResponseFormat | None = None  # only {"type": "text"} (vLLM: both endpoints)
     user: ShortText | None = None
     # extensions
     top_k: Int | None = Field(None, ge=-1)
@@ -109,6 +121,9 @@ class SamplingFields(_Request):
     ignore_eos: Bool | None = False
     skip_special_tokens: Bool | None = True
     include_stop_str_in_output: Bool | None = False
+    # extension: add the tokenizer's special tokens (BOS) to the prompt's text; default true
+    # for completions, false for chat (the chat template writes them)
+    add_special_tokens: Bool | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -129,10 +144,7 @@ class ChatMessage(_Request):
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
     tool_call_id: Text | None = None
-
-
-class ResponseFormat(_Request):
-    type: Text
+    tool_calls: list[Any] | None = None  # refused when non-empty: not supported
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -142,10 +154,12 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None  # refused when non-empty: not supported
     functions: list[Any] | None = None  # refused when non-empty: not supported
-    response_format: ResponseFormat | None = None  # only {"type": "text"}
-    # extension: end the prompt with the assistant's turn opener (the template's generation
-    # prompt); false continues the last message instead.
+    # extensions (vLLM's meaning). add_generation_prompt: end the prompt with the assistant's
+    # turn opener (the template's generation prompt); false ends it where the template ends the
+    # last message. continue_final_message: the last message is the assistant's, left open (not
+    # closed by the template) so the model continues it; excludes add_generation_prompt: true.
     add_generation_prompt: Bool | None = True
+    continue_final_message: Bool | None = False
 
 
 # ---- responses -------------------------------------------------------------------------------

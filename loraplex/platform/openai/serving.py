@@ -26,7 +26,6 @@ from loraplex.engine.client import EngineClient, EngineDeadError
 from loraplex.platform.auth import Caller
 from loraplex.platform.models import ModelResolver, ResolvedModel
 from loraplex.platform.openai import logprobs as lp
-from loraplex.platform.openai.chat import render_chat
 from loraplex.platform.openai.errors import (
     SERVER_ERROR,
     APIError,
@@ -34,7 +33,13 @@ from loraplex.platform.openai.errors import (
     invalid_request,
 )
 from loraplex.platform.openai.generation import ChoiceEvent, Generation, GenerationUsage
-from loraplex.platform.openai.params import refuse, sampling_params, sentence
+from loraplex.platform.openai.params import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    default_max_tokens,
+    sampling_params,
+    sentence,
+)
+from loraplex.platform.openai.prompts import Prompts
 from loraplex.platform.openai.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -50,6 +55,7 @@ from loraplex.platform.openai.protocol import (
     Usage,
 )
 from loraplex.platform.openai.sse import DONE, SSEResponse, sse
+from loraplex.platform.openai.unsupported import refuse_unsupported
 from loraplex.platform.quotas import estimate_tokens, get_quotas
 from loraplex.platform.request_log import CLIENT_CLOSED, RequestRecord, request_record
 from loraplex.sampling_params import SamplingParams
@@ -61,6 +67,10 @@ logger = logging.getLogger(__name__)
 class ServingConfig:
     max_n: int = 16  # samples per request
     max_prompts: int = 64  # prompts in one /v1/completions batch
+    # max_tokens of a chat request that gives neither max_tokens nor max_completion_tokens
+    # (cut to the room the prompt leaves); None: up to the context
+    default_max_tokens: int | None = None
+    tokenize_threads: int = 4  # prompts rendered and tokenized at once (worker threads)
 
 
 class OpenAIServing:
@@ -77,6 +87,7 @@ class OpenAIServing:
         self._tokenizer = tokenizer
         self._tokenizer_lock = asyncio.Lock()
         self._token_text: dict[int, str] = {}
+        self.prompts = Prompts(config.tokenize_threads)
 
     async def tokenizer(self) -> Any:
         """The base model's tokenizer, loaded (in a thread) on first use."""
@@ -98,16 +109,15 @@ class OpenAIServing:
     ) -> CompletionResponse | Response:
         rid = f"cmpl-{uuid.uuid4().hex}"
         record, model = await self._begin(rid, body, caller, request)
-        refuse(bool(body.echo), "echo", "echo is not supported; prepend the prompt yourself")
-        refuse(body.suffix is not None, "suffix", "suffix (insertion) is not supported")
-        refuse(
-            body.best_of is not None and body.best_of != (body.n or 1),
-            "best_of",
-            "best_of is not supported (except equal to n); use n to get several completions",
-        )
+        refuse_unsupported(body, "completions")
+        items = self._completion_items(body)
         tokenizer = await self.tokenizer()
-        prompts = self._completion_prompts(body, tokenizer)
-        params = self._params(body, prompts, "prompt", body.max_tokens, "max_tokens", body.logprobs)
+        limit = self.client.info.max_model_len
+        prompts = await self.prompts.completion(tokenizer, body, items, limit)
+        max_tokens = body.max_tokens
+        if max_tokens is None:  # OpenAI's and vLLM's default, not the whole context
+            max_tokens = default_max_tokens(COMPLETIONS_DEFAULT_MAX_TOKENS, prompts, limit)
+        params = self._params(body, prompts, "prompt", max_tokens, "max_tokens", body.logprobs)
         headers = await self._admit(request, record, caller, prompts, params)
         gen = self._open(rid, prompts, params, model, caller, "prompt", tokenizer)
         created = int(time.time())
@@ -137,30 +147,23 @@ class OpenAIServing:
             usage=_usage(gen.usage),
         )
 
-    def _completion_prompts(self, body: CompletionRequest, tokenizer: Any) -> list[list[int]]:
+    def _completion_items(self, body: CompletionRequest) -> list[Any]:
+        """The prompts of a completions request: strings or token-id lists."""
         raw = body.prompt
         single = isinstance(raw, str) or (bool(raw) and isinstance(raw[0], int))
         items: list[Any] = [raw] if single else list(raw)
         if not items:
             raise invalid_request(
-                "prompt is empty; send a string or a list of token ids.", "prompt"
+                "prompt is empty; send a string or a list of token ids.", "prompt", "empty_prompt"
             )
         if len(items) > self.config.max_prompts:
             raise invalid_request(
                 f"prompt holds {len(items)} prompts, more than the {self.config.max_prompts} "
                 "this server takes in one request; split the batch.",
                 "prompt",
+                "too_many_prompts",
             )
-        prompts = []
-        for i, item in enumerate(items):
-            param = "prompt" if len(items) == 1 else f"prompt[{i}]"
-            ids = list(tokenizer(item).input_ids) if isinstance(item, str) else list(item)
-            if not ids:
-                raise invalid_request(
-                    f"{param} is empty; send at least one token of text.", param, "empty_prompt"
-                )
-            prompts.append(ids)
-        return prompts
+        return items
 
     async def _completion_stream(
         self,
@@ -210,23 +213,28 @@ class OpenAIServing:
     ) -> ChatCompletionResponse | Response:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         record, model = await self._begin(rid, body, caller, request)
-        refuse(bool(body.tools), "tools", "tools (function calling) are not supported")
-        refuse(bool(body.functions), "functions", "functions are not supported")
-        refuse(
-            body.response_format is not None and body.response_format.type != "text",
-            "response_format",
-            "only response_format {'type': 'text'} is supported (no JSON mode)",
-        )
+        refuse_unsupported(body, "chat")
         if body.top_logprobs is not None and not body.logprobs:
             raise invalid_request(
                 "top_logprobs needs logprobs: true; set it, or drop top_logprobs.",
                 "top_logprobs",
+                "invalid_value",
             )
+        add_generation_prompt, continue_final_message = _turn_end(body)
         tokenizer = await self.tokenizer()
-        prompt = render_chat(tokenizer, body.messages, bool(body.add_generation_prompt))
+        limit = self.client.info.max_model_len
+        prompt = await self.prompts.chat(
+            tokenizer,
+            body,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            max_model_len=limit,
+        )
         max_tokens, tokens_param = body.max_tokens, "max_tokens"
         if body.max_completion_tokens is not None:
             max_tokens, tokens_param = body.max_completion_tokens, "max_completion_tokens"
+        if max_tokens is None:  # the operator's default (None: up to the context)
+            max_tokens = default_max_tokens(self.config.default_max_tokens, [prompt], limit)
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, [prompt], "messages", max_tokens, tokens_param, top_n)
         headers = await self._admit(request, record, caller, [prompt], params)
@@ -298,7 +306,6 @@ class OpenAIServing:
         model = await self.resolver.lookup(caller, body.model)
         record.served_model, record.lora_key = model.served_name, model.lora_key
         record.adapter_version_id = model.adapter_version_id
-        refuse(bool(body.logit_bias), "logit_bias", "logit_bias is not supported")
         if not self.client.healthy:
             raise engine_unavailable()
         return record, model
@@ -439,6 +446,23 @@ class _Collected:
         return "".join(ev.text for ev in self.events)
 
 
+def _turn_end(body: ChatCompletionRequest) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message) of a chat request, as vLLM reads them:
+    the generation prompt is on unless the final message is continued; asking for both is a
+    400."""
+    continue_final = bool(body.continue_final_message)
+    explicit = "add_generation_prompt" in body.model_fields_set
+    if continue_final and explicit and body.add_generation_prompt:
+        raise invalid_request(
+            "add_generation_prompt: true opens a new assistant turn, while "
+            "continue_final_message: true continues the last message; set only one of them.",
+            "continue_final_message",
+            "invalid_value",
+        )
+    add_generation = body.add_generation_prompt is not False and not continue_final
+    return add_generation, continue_final
+
+
 def _include_usage(body: SamplingFields) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
@@ -492,7 +516,7 @@ def _stream_error(exc: Exception) -> APIError:
     if isinstance(exc, EngineDeadError):
         return engine_unavailable(str(exc) or "it stopped")
     if isinstance(exc, ValueError):
-        return invalid_request(sentence(str(exc)))
+        return invalid_request(sentence(str(exc)), code="invalid_request")
     logger.exception("internal error in a stream")
     return APIError(
         500,
