@@ -58,9 +58,7 @@ async def smollm2_api(
 async def _prompt(
     api: httpx.AsyncClient, fake: FakeEngineClient, model: str, **fields: Any
 ) -> list[int]:
-    r = await api.post(
-        "/v1/chat/completions", json={"model": model, "max_tokens": 1, **fields}
-    )
+    r = await api.post("/v1/chat/completions", json={"model": model, "max_tokens": 1, **fields})
     assert r.status_code == 200, r.text
     return fake.submitted[-1].prompt_token_ids
 
@@ -122,12 +120,17 @@ async def test_tiny_template_turn_ends(api: httpx.AsyncClient, fake: FakeEngineC
     user = {"role": "user", "content": "t30"}
     partial = {"role": "assistant", "content": "t31 t32"}
     assert await _prompt(api, fake, "tiny-chat", messages=[user]) == [3, 30, 4, 5]
-    assert await _prompt(
-        api, fake, "tiny-chat", messages=[user], add_generation_prompt=None
-    ) == [3, 30, 4, 5]
-    assert await _prompt(
-        api, fake, "tiny-chat", messages=[user], add_generation_prompt=False
-    ) == [3, 30, 4]
+    assert await _prompt(api, fake, "tiny-chat", messages=[user], add_generation_prompt=None) == [
+        3,
+        30,
+        4,
+        5,
+    ]
+    assert await _prompt(api, fake, "tiny-chat", messages=[user], add_generation_prompt=False) == [
+        3,
+        30,
+        4,
+    ]
     assert await _prompt(
         api, fake, "tiny-chat", messages=[user, partial], continue_final_message=True
     ) == [3, 30, 4, 3, 31, 32]
@@ -164,3 +167,40 @@ async def test_continue_final_message_misuse_is_400(
     assert (error["param"], error["code"]) == (param, "invalid_value"), error
     assert words in error["message"], error["message"]
     assert smollm2_fake.submitted == []
+
+
+@pytest.fixture
+def bos_tokenizer(tokenizer: Any) -> Any:
+    """The tiny tokenizer, adding BOS (t1) in front of every text unless told not to."""
+    from tokenizers import Tokenizer, processors
+
+    bos = tokenizer.__class__(
+        tokenizer_object=Tokenizer.from_str(tokenizer.backend_tokenizer.to_str()),
+        chat_template=tokenizer.chat_template,
+    )
+    bos.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="t1 $A", special_tokens=[("t1", 1)]
+    )
+    return bos
+
+
+async def test_add_special_tokens(fake: FakeEngineClient, bos_tokenizer: Any) -> None:
+    """vLLM's defaults: completions add BOS, chat does not (the template writes its own)."""
+    app = make_app(fake, bos_tokenizer)
+    transport = httpx.ASGITransport(app=app)
+    user = [{"role": "user", "content": "t30"}]
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as api:
+
+        async def completion(**fields: Any) -> list[int]:
+            body = {"model": "tiny-chat", "prompt": "t30", "max_tokens": 1, **fields}
+            r = await api.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return fake.submitted[-1].prompt_token_ids
+
+        assert await completion() == [1, 30]
+        assert await completion(add_special_tokens=True) == [1, 30]
+        assert await completion(add_special_tokens=False) == [30]
+        assert await _prompt(api, fake, "tiny-chat", messages=user) == [3, 30, 4, 5]
+        assert await _prompt(api, fake, "tiny-chat", messages=user, add_special_tokens=True) == [
+            1, 3, 30, 4, 5,
+        ]  # fmt: skip
