@@ -100,13 +100,16 @@ class LLM:
         *,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = True,
+        priority: int | Sequence[int] = 0,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in prompt order.
 
         A prompt is a string or a list of token ids. ``sampling_params`` is one for all prompts
         or a list with one per prompt. ``lora_request`` is one adapter for all prompts, or a list
-        with one entry per prompt (``None`` = the base model). Every prompt and adapter is
-        validated before any request runs.
+        with one entry per prompt (``None`` = the base model). ``priority`` is one for all
+        prompts or one per prompt (lower runs earlier where the scheduling policy orders by
+        priority; FCFS ignores it). Every prompt and adapter is validated before any request
+        runs.
         """
         engine = self.llm_engine
         items = _as_prompt_list(prompts)
@@ -130,6 +133,15 @@ class LLM:
                     f"lora_request has {len(loras)} entries for {len(items)} prompts; "
                     "give one LoRARequest, or one entry (or None) per prompt"
                 )
+        if isinstance(priority, int):
+            priorities = [priority] * len(items)
+        else:
+            priorities = list(priority)
+            if len(priorities) != len(items):
+                raise ValueError(
+                    f"priority has {len(priorities)} entries for {len(items)} prompts; "
+                    "give one int, or one per prompt"
+                )
         for lora in loras:
             if lora is not None and lora not in self._lora_keys:
                 self.add_lora(lora)
@@ -144,11 +156,11 @@ class LLM:
             tokenized.append(ids)
 
         request_ids = [f"gen-{next(self._counter)}" for _ in items]
-        for rid, prompt, ids, p, key in zip(
-            request_ids, items, tokenized, params, keys, strict=True
+        for rid, prompt, ids, p, key, prio in zip(
+            request_ids, items, tokenized, params, keys, priorities, strict=True
         ):
             text = prompt if isinstance(prompt, str) else None
-            engine.add_tokenized_request(rid, text, ids, p, lora_key=key)
+            engine.add_tokenized_request(rid, text, ids, p, lora_key=key, priority=prio)
         return self._run(request_ids, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

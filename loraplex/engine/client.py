@@ -137,10 +137,15 @@ class EngineClient(ABC):
         *,
         lora_key: str | None = None,
         cache_extra_keys: tuple[str, ...] = (),
+        tenant: str | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestDelta, None]:
         """Yield deltas until every sample finished. Bad input raises ``ValueError`` at the call;
         a dead engine ``EngineDeadError``. When the consumer stops iterating (``aclose``,
-        cancellation) the request is aborted in the engine at once and its KV blocks freed."""
+        cancellation) the request is aborted in the engine at once and its KV blocks freed.
+
+        ``tenant`` (an opaque id) and ``priority`` (lower runs earlier) are for the engine's
+        scheduling policy; neither changes what is generated."""
 
     @abstractmethod
     async def abort(self, request_id: str) -> None:
@@ -300,11 +305,14 @@ def build_core_requests(
     *,
     lora_key: str | None,
     cache_extra_keys: tuple[str, ...],
+    tenant: str | None = None,
+    priority: int = 0,
 ) -> list[Request]:
     """The engine-core requests of one request: one per sample (ids from ``sample_ids``).
 
     The adapter's content hash joins the prefix-cache extra keys, so adapters (and the base
-    model) never share KV, exactly as in ``LLMEngine.add_tokenized_request``.
+    model) never share KV, exactly as in ``LLMEngine.add_tokenized_request``. Every sample
+    carries the request's ``tenant`` and ``priority``.
     """
     if lora_key is not None:
         cache_extra_keys = (f"lora:{lora_key}", *cache_extra_keys)
@@ -317,6 +325,8 @@ def build_core_requests(
             eos_token_ids=eos_token_ids,
             cache_extra_keys=cache_extra_keys,
             lora_key=lora_key,
+            tenant=tenant,
+            priority=priority,
             parent_id=ids[0] if i else None,
         )
         for i, sid in enumerate(ids)
@@ -383,6 +393,8 @@ class StreamingClient(EngineClient):
         *,
         lora_key: str | None = None,
         cache_extra_keys: tuple[str, ...] = (),
+        tenant: str | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestDelta, None]:
         self._check_serving()
         validate_prompt(self.info, prompt_token_ids)
@@ -396,6 +408,8 @@ class StreamingClient(EngineClient):
             frozenset(self.info.eos_token_ids),
             lora_key=lora_key,
             cache_extra_keys=cache_extra_keys,
+            tenant=tenant,
+            priority=priority,
         )
         return self._run(request_id, requests)
 

@@ -61,6 +61,8 @@ class LLMEngine:
         cache_extra_keys: tuple[str, ...] = (),
         lora_key: str | None = None,
         detokenize: bool = True,
+        tenant: str | None = None,
+        priority: int = 0,
     ) -> None:
         token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
@@ -72,6 +74,8 @@ class LLMEngine:
             cache_extra_keys=cache_extra_keys,
             lora_key=lora_key,
             detokenize=detokenize,
+            tenant=tenant,
+            priority=priority,
         )
 
     def add_tokenized_request(
@@ -84,9 +88,12 @@ class LLMEngine:
         cache_extra_keys: tuple[str, ...] = (),
         lora_key: str | None = None,
         detokenize: bool = True,
+        tenant: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a validated prompt. ``lora_key`` is an added adapter's content hash; it joins
-        the prefix-cache extra keys, so adapters (and the base model) never share KV."""
+        the prefix-cache extra keys, so adapters (and the base model) never share KV.
+        ``tenant`` and ``priority`` (lower runs earlier) are for the scheduling policy."""
         if lora_key is not None and not self.core.has_lora(lora_key):
             raise ValueError(f"adapter {lora_key[:12]} is not loaded; add it first")
         if self.processor.has_request(request_id):
@@ -99,6 +106,8 @@ class LLMEngine:
             self.eos_token_ids,
             lora_key=lora_key,
             cache_extra_keys=cache_extra_keys,
+            tenant=tenant,
+            priority=priority,
         ):
             self.core.add_request(req)
 

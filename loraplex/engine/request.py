@@ -41,6 +41,10 @@ class Request:
     # and the tenant's cache salt. Part of every prefix-cache block hash.
     cache_extra_keys: tuple[str, ...] = ()
     lora_key: str | None = None  # the adapter's content hash; None = the base model
+    # Scheduling identity: which tenant sent it (opaque; None = no tenant, e.g. offline) and its
+    # priority (lower runs earlier, as in vLLM). Policies read them; FCFS ignores both.
+    tenant: str | None = None
+    priority: int = 0
     parent_id: str | None = None  # set on the samples of an n > 1 request
     arrival_time: float = field(default_factory=time.monotonic)  # built (by the client)
     queued_time: float | None = None  # the scheduler received it (time.monotonic())

@@ -23,6 +23,7 @@ from loraplex.config import CacheConfig, EngineConfig, ModelConfig
 from loraplex.engine.client import EngineClient, EngineDeadError, RequestDelta
 from loraplex.engine.inproc_client import InprocEngineClient
 from loraplex.engine.proc_client import ProcEngineClient
+from loraplex.engine.request import Request
 from loraplex.llm import LLM
 from loraplex.lora.adapter import AdapterError
 from tests.conftest import make_tiny_model
@@ -347,6 +348,25 @@ def test_adapter_references_across_owners(served: Served, adapter_dir: str, tmp_
 def test_bad_input_raises_at_the_call(served: Served, prompt: list[int], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         served.client.generate("bad", prompt, SamplingParams())
+
+
+def test_tenant_and_priority_reach_the_engine_requests(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = served.client
+    sent: list[Request] = []
+    send = client._send_requests  # type: ignore[attr-defined]
+
+    def record(requests: list[Request]) -> None:
+        sent.extend(requests)
+        send(requests)
+
+    monkeypatch.setattr(client, "_send_requests", record)
+    params = SamplingParams(max_tokens=2, n=2, seed=1)
+    deltas = served.run(collect(client.generate("tp", [5, 6], params, tenant="t1", priority=4)))
+    assert set(finishes(deltas)) == {0, 1}
+    assert [(r.tenant, r.priority) for r in sent] == [("t1", 4), ("t1", 4)]
+    assert_engine_idle(served)
 
 
 def test_duplicate_request_id_is_refused(served: Served) -> None:

@@ -150,3 +150,20 @@ def test_max_model_len_caps_output(tmp_path: Path) -> None:
         [list(range(3, 13))], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False
     )[0]
     assert len(out.outputs[0].token_ids) == 6 and out.outputs[0].finish_reason == "length"
+
+
+def test_priority_one_for_all_or_one_per_prompt(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    core = llm.llm_engine.core
+    seen: list[tuple[str, int]] = []
+    add = core.add_request
+    monkeypatch.setattr(
+        core, "add_request", lambda r: (seen.append((r.request_id, r.priority)), add(r))[1]
+    )
+    p = SamplingParams(max_tokens=1)
+    llm.generate([GOOD, GOOD], p, use_tqdm=False, priority=[2, -1])
+    llm.generate([GOOD], p, use_tqdm=False, priority=5)
+    llm.generate([GOOD], p, use_tqdm=False)
+    assert [prio for _, prio in seen] == [2, -1, 5, 0]
+    with pytest.raises(ValueError, match="priority has 1 entries for 2 prompts"):
+        llm.generate([GOOD, GOOD], p, use_tqdm=False, priority=[1])
+    assert not llm.llm_engine.has_unfinished_requests()

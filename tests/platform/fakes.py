@@ -101,6 +101,8 @@ class FakeEngineClient(EngineClient):
         *,
         lora_key: str | None = None,
         cache_extra_keys: tuple[str, ...] = (),
+        tenant: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestDelta]:
         if not self.alive:
             raise EngineDeadError("the fake engine is dead")
