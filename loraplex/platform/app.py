@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -24,6 +25,8 @@ from loraplex.platform.openai.serving import OpenAIServing, ServingConfig
 from loraplex.platform.registry.upload import streams_own_body
 from loraplex.platform.request_log import BodyLimitMiddleware, RequestLogMiddleware
 from loraplex.platform.tenancy import Platform, install_tenancy
+
+logger = logging.getLogger(__name__)
 
 
 class ServerSettings(BaseSettings):
@@ -143,6 +146,10 @@ def create_app(
         if own_client:
             await client.start()
         name_base_model()
+        try:  # before the first request: loading it (transformers, torch) holds the GIL for s
+            await serving.tokenizer()
+        except Exception as exc:  # the first request that needs it reports the problem
+            logger.warning("the base model's tokenizer could not be loaded yet: %s", exc)
         try:
             yield
         finally:

@@ -135,3 +135,25 @@ async def test_deleting_an_adapter_in_use_finishes_when_its_last_request_ends(
         await asyncio.sleep(0.01)
     assert key not in engine.adapters
     assert not any(key in path for path in disk_state(env)), disk_state(env)
+
+
+async def test_an_adapter_gone_before_the_engine_runs_it_is_a_404_without_its_key(
+    env: TenancyEnv, registry_models: rf.RegistryModels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between resolving ``model`` and reaching the engine the adapter can go (its last delete
+    raced this request): the answer is the missing model's, never the engine's hash."""
+    acme = env.tenant("acme")
+    r = await upload(env.http, acme, "x", registry_models.adapters["a"].files())
+    key = r.json()["versions"][0]["content_sha256"]
+    registry = env.app.state.registry
+
+    async def resolved_but_not_loaded(*args: Any, **kwargs: Any) -> None:
+        env.fake.lose_adapter(key)
+
+    monkeypatch.setattr(registry, "ensure_loaded", resolved_but_not_loaded)
+    for stream in (False, True):
+        body = _chat("x") | {"stream": stream}
+        r = await env.http.post("/v1/chat/completions", json=body, headers=bearer(acme))
+        assert r.status_code == 404, r.text
+        assert r.json()["error"]["code"] == "model_not_found"
+        _no_hash(r, key)

@@ -22,7 +22,7 @@ from fastapi import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from loraplex.engine.client import EngineClient, EngineDeadError
+from loraplex.engine.client import AdapterNotLoadedError, EngineClient, EngineDeadError
 from loraplex.platform.auth import Caller
 from loraplex.platform.models import ModelResolver, ResolvedModel
 from loraplex.platform.openai import logprobs as lp
@@ -31,6 +31,7 @@ from loraplex.platform.openai.errors import (
     APIError,
     engine_unavailable,
     invalid_request,
+    model_not_found,
 )
 from loraplex.platform.openai.generation import ChoiceEvent, Generation, GenerationUsage
 from loraplex.platform.openai.params import (
@@ -371,7 +372,9 @@ class OpenAIServing:
                 lora_key=model.lora_key,
                 cache_extra_keys=model.cache_extra_keys,
             )
-        except ValueError as exc:  # the engine's own checks (token ids, KV cache size, adapter)
+        except AdapterNotLoadedError:  # deleted since it was resolved: as if it never was
+            raise model_not_found(model.served_name) from None
+        except ValueError as exc:  # the engine's own checks (token ids, KV cache size)
             message = str(exc)
             param = prompt_param if message.startswith("prompt") else None
             raise invalid_request(sentence(message), param, "invalid_prompt") from None
@@ -389,6 +392,8 @@ class OpenAIServing:
 
         try:
             return await _until_disconnect(request, run)
+        except AdapterNotLoadedError:  # deleted before the request reached the engine
+            raise adapter_gone() from None
         finally:
             _account(record, gen)
 
@@ -510,11 +515,24 @@ def _chat_choice(
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
+def adapter_gone() -> APIError:
+    """The request's adapter was deleted before the engine ran it (never the engine's key)."""
+    return APIError(
+        404,
+        "The adapter this request names was deleted before the request ran; GET /v1/models "
+        "lists the models you can use.",
+        param="model",
+        code="model_not_found",
+    )
+
+
 def _stream_error(exc: Exception) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, EngineDeadError):
         return engine_unavailable(str(exc) or "it stopped")
+    if isinstance(exc, AdapterNotLoadedError):
+        return adapter_gone()
     if isinstance(exc, ValueError):
         return invalid_request(sentence(str(exc)), code="invalid_request")
     logger.exception("internal error in a stream")
