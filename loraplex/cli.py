@@ -371,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         from loraplex.engine.default_model import ModelResolutionError
         from loraplex.platform.db.migrate import MigrationError
-        from loraplex.platform.openai.errors import APIError
+        from loraplex.platform.errors import APIError
 
         known = isinstance(
             e,

@@ -38,28 +38,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-AdapterErrorCode = Literal[
-    "missing_file",
-    "pickle_format",
-    "bad_config",
-    "unsupported_target",
-    "unsupported_option",
-    "dora_unsupported",
-    "modules_to_save",
-    "bias_unsupported",
-    "rank_too_large",
-    "bad_safetensors",
-    "bad_dtype",
-    "too_large",
-    "unexpected_tensor",
-    "missing_tensor",
-    "bad_shape",
-    "base_model_mismatch",
-    "nan_weights",
-    "bad_archive",
-    "archive_too_large",
-    "unsafe_archive_member",
-]
+from loraplex.lora.errors import AdapterError
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -74,23 +53,6 @@ _SKIPPED_PREFIXES = ("__MACOSX/",)
 
 class _Readable(Protocol):
     def read(self, size: int = ..., /) -> bytes: ...
-
-
-class AdapterError(ValueError):
-    """An adapter (or its archive) that loraplex refuses; ``str(err)`` says what to fix.
-
-    ``code`` is a short machine-readable reason (see :data:`AdapterErrorCode`) for API error
-    bodies and metrics labels.
-    """
-
-    def __init__(self, code: AdapterErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code: AdapterErrorCode = code
-        self.message = message
-
-    def __reduce__(self) -> tuple[type[AdapterError], tuple[AdapterErrorCode, str]]:
-        # Crosses the engine-core process boundary intact.
-        return type(self), (self.code, self.message)
 
 
 def short_repr(value: object, limit: int = 80) -> str:

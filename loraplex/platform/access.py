@@ -44,8 +44,8 @@ from loraplex.platform.auth import (
     bearer_token,
     get_caller,
 )
+from loraplex.platform.errors import INVALID_REQUEST, PERMISSION, APIError
 from loraplex.platform.keys import parse_key
-from loraplex.platform.openai.errors import INVALID_REQUEST, PERMISSION, APIError
 from loraplex.platform.request_log import request_record
 
 Audience = Literal["public", "inference", "tenant", "operator", "metrics", "admin_ui"]

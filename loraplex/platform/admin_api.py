@@ -26,8 +26,8 @@ from loraplex.platform import audit, tenants, usage
 from loraplex.platform.access import operator_caller
 from loraplex.platform.auth import Caller
 from loraplex.platform.db.models import ApiKey, Tenant, utcnow
+from loraplex.platform.errors import APIError, clip, engine_unavailable
 from loraplex.platform.keys import display_key
-from loraplex.platform.openai.errors import APIError, clip, engine_unavailable
 from loraplex.platform.tenancy import Platform, tenant_deleted, tenant_limits_changed
 
 logger = logging.getLogger(__name__)

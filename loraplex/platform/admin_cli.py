@@ -27,8 +27,8 @@ from loraplex.platform.db import migrate
 from loraplex.platform.db.database import Database
 from loraplex.platform.db.models import utcnow
 from loraplex.platform.db.scope import TenantScope
+from loraplex.platform.errors import APIError
 from loraplex.platform.keys import PREFIX, display_key
-from loraplex.platform.openai.errors import APIError
 from loraplex.platform.tenancy import TenancySettings
 
 CLI_ACTOR = "admin (cli)"

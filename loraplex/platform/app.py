@@ -16,11 +16,11 @@ from loraplex.engine.client import EngineClient
 from loraplex.platform import access
 from loraplex.platform.access import Audience
 from loraplex.platform.auth import Authenticator, OperatorKeyAuthenticator
+from loraplex.platform.errors import document_error_envelope, install_error_handlers
 from loraplex.platform.metrics import PlatformMetrics
 from loraplex.platform.metrics import router as metrics_router
-from loraplex.platform.models import ModelResolver
+from loraplex.platform.model_resolver import ModelResolver
 from loraplex.platform.openai import routes as openai_routes
-from loraplex.platform.openai.errors import document_error_envelope, install_error_handlers
 from loraplex.platform.openai.serving import OpenAIServing, ServingConfig
 from loraplex.platform.registry.upload import streams_own_body
 from loraplex.platform.request_log import BodyLimitMiddleware, RequestLogMiddleware

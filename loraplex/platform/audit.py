@@ -20,7 +20,7 @@ from loraplex.platform.db.models import (
     AuditEvent,
     Tenant,
 )
-from loraplex.platform.openai.errors import APIError
+from loraplex.platform.errors import APIError
 
 ADMIN_ACTOR = "admin"
 

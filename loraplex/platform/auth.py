@@ -15,7 +15,7 @@ from typing import Any, Literal, Protocol
 
 from fastapi import Request
 
-from loraplex.platform.openai.errors import INVALID_REQUEST, PERMISSION, APIError
+from loraplex.platform.errors import INVALID_REQUEST, PERMISSION, APIError
 
 ANONYMOUS = "anonymous"  # the caller id of an open server's callers (no --api-key)
 SCOPE_INFERENCE = "inference"

@@ -21,7 +21,7 @@ import anyio.to_thread
 from loraplex.platform import tenants
 from loraplex.platform.db.models import ApiKey
 from loraplex.platform.db.scope import TenantScope
-from loraplex.platform.openai.errors import APIError
+from loraplex.platform.errors import APIError
 
 DEMO_TENANT = "demo"
 DEMO_KEY_NAME = "demo (rotated at each --demo start)"

@@ -49,7 +49,7 @@ from sqlalchemy.orm import Session
 from loraplex.platform.auth import Caller
 from loraplex.platform.db.database import Database
 from loraplex.platform.db.models import Tenant
-from loraplex.platform.openai.errors import APIError, rate_limited
+from loraplex.platform.errors import APIError, rate_limited
 from loraplex.platform.request_log import RequestRecord
 from loraplex.platform.tenancy import Platform
 

@@ -20,7 +20,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loraplex.platform.openai.errors import APIError
+from loraplex.platform.errors import APIError
 
 logger = logging.getLogger("loraplex.platform.requests")
 

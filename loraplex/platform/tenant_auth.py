@@ -29,8 +29,8 @@ from loraplex.platform.auth import (
 from loraplex.platform.db.database import Database
 from loraplex.platform.db.models import utcnow
 from loraplex.platform.db.scope import find_key
+from loraplex.platform.errors import INVALID_REQUEST, PERMISSION, APIError
 from loraplex.platform.keys import hash_secret, parse_key, secret_matches
-from loraplex.platform.openai.errors import INVALID_REQUEST, PERMISSION, APIError
 from loraplex.platform.tenancy import Platform
 
 ADMIN_CALLER = Caller(id="admin", scopes=ALL_SCOPES)

@@ -20,8 +20,8 @@ from loraplex.platform import audit
 from loraplex.platform.auth import SCOPE_ADAPTERS_WRITE, SCOPE_INFERENCE
 from loraplex.platform.db.models import ApiKey, Tenant, utcnow
 from loraplex.platform.db.scope import TenantScope
+from loraplex.platform.errors import NOT_FOUND, APIError
 from loraplex.platform.keys import NewKey, generate_key
-from loraplex.platform.openai.errors import NOT_FOUND, APIError
 
 TENANT_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 TENANT_SCOPES = (SCOPE_INFERENCE, SCOPE_ADAPTERS_WRITE)

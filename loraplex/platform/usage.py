@@ -51,7 +51,7 @@ from loraplex.platform.db.models import (
     utcnow,
 )
 from loraplex.platform.db.scope import TenantScope
-from loraplex.platform.openai.errors import APIError
+from loraplex.platform.errors import APIError
 from loraplex.platform.request_log import CLIENT_CLOSED, RequestRecord
 from loraplex.platform.tenancy import Platform
 

@@ -33,7 +33,7 @@ from starlette.responses import Response
 from loraplex.platform import tenants as tenant_service
 from loraplex.platform.db.models import Adapter, AdapterVersion, Tenant
 from loraplex.platform.db.scope import TenantScope
-from loraplex.platform.openai.errors import APIError
+from loraplex.platform.errors import APIError
 from loraplex.platform.registry.names import parse_ref
 from loraplex.platform.registry.service import Registry
 from loraplex.platform.registry.upload import (

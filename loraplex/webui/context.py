@@ -32,7 +32,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from starlette.datastructures import FormData
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
-from loraplex.platform.openai.errors import INVALID_REQUEST, APIError
+from loraplex.platform.errors import INVALID_REQUEST, APIError
 from loraplex.platform.tenancy import Platform
 from loraplex.webui.credentials import credential_version
 from loraplex.webui.live import EngineMonitor, LiveRecorder

@@ -33,8 +33,8 @@ from loraplex.platform import tenants as service
 from loraplex.platform.auth import SCOPE_ADAPTERS_WRITE, SCOPE_INFERENCE
 from loraplex.platform.db.models import ApiKey, Tenant, utcnow
 from loraplex.platform.db.scope import TenantScope, find_key
+from loraplex.platform.errors import APIError
 from loraplex.platform.keys import display_key
-from loraplex.platform.openai.errors import APIError
 from loraplex.webui.context import (
     Admin,
     FormPost,

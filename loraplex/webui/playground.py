@@ -43,8 +43,8 @@ from starlette.responses import Response, StreamingResponse
 from loraplex.engine.client import EngineDeadError
 from loraplex.platform import tenants as tenant_service
 from loraplex.platform.auth import SCOPE_INFERENCE, Caller
+from loraplex.platform.errors import APIError, engine_unavailable, invalid_request
 from loraplex.platform.openai.chat import render_chat
-from loraplex.platform.openai.errors import APIError, engine_unavailable, invalid_request
 from loraplex.platform.openai.generation import Generation
 from loraplex.platform.openai.params import sentence
 from loraplex.platform.openai.protocol import ChatMessage

@@ -31,7 +31,7 @@ from loraplex.platform import tenants as service
 from loraplex.platform import usage
 from loraplex.platform.db.models import Adapter, ApiKey, Tenant, utcnow
 from loraplex.platform.db.scope import TenantScope
-from loraplex.platform.openai.errors import APIError
+from loraplex.platform.errors import APIError
 from loraplex.platform.tenancy import tenant_deleted, tenant_limits_changed
 from loraplex.webui.context import Admin, FormPost, NavItem, SignedIn, redirect, render, webui_of
 from loraplex.webui.keys import key_rows

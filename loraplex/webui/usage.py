@@ -33,7 +33,7 @@ from starlette.responses import Response
 
 from loraplex.platform import tenants as tenant_service
 from loraplex.platform import usage as reports
-from loraplex.platform.openai.errors import APIError
+from loraplex.platform.errors import APIError
 from loraplex.webui.adapters import tenant_choices
 from loraplex.webui.charts import Chart, line_chart
 from loraplex.webui.context import NavItem, SignedIn, render, secure_headers, webui_of

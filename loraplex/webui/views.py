@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
-from loraplex.platform.openai.errors import APIError
+from loraplex.platform.errors import APIError
 from loraplex.webui.context import Refused
 
 WEB_ACTOR = "admin (web)"  # the audit log's actor for changes made in the admin UI

@@ -10,7 +10,7 @@ from fastapi import Request
 
 from loraplex.platform.app import ServerSettings, create_app
 from loraplex.platform.auth import SCOPE_INFERENCE, Caller, OperatorKeyAuthenticator
-from loraplex.platform.openai.errors import rate_limited
+from loraplex.platform.errors import rate_limited
 from tests.platform.fakes import FakeEngineClient
 
 pytestmark = pytest.mark.anyio

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from loraplex.platform.auth import Caller
-from loraplex.platform.openai.errors import APIError
+from loraplex.platform.errors import APIError
 from loraplex.platform.quotas import Limits, QuotaManager, estimate_tokens, format_duration
 from loraplex.platform.tenants import Quotas
 from tests.platform.request_hooks import wire

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraplex.platform.openai.errors import clip, invalid_request, shorten
+from loraplex.platform.errors import clip, invalid_request, shorten
 from loraplex.platform.openai.protocol import ChatMessage
 
 

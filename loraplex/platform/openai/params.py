@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from loraplex.platform.openai.errors import APIError, invalid_request
+from loraplex.platform.errors import APIError, invalid_request
 from loraplex.platform.openai.protocol import MAX_STOP_STRINGS, SamplingFields
 from loraplex.sampling_params import SamplingParams
 

@@ -37,8 +37,8 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from loraplex.platform.errors import invalid_request
 from loraplex.platform.openai.chat import render_chat_text, tokenize_chat
-from loraplex.platform.openai.errors import invalid_request
 from loraplex.platform.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 NFC_CHARS_PER_BYTE = 1.5  # max over code points c of len(NFD(c)) / len(c.encode("utf-8"))

@@ -14,8 +14,8 @@ from starlette.responses import Response
 from loraplex.engine.client import EngineClient
 from loraplex.platform.access import inference_caller, operator_caller
 from loraplex.platform.auth import Caller
-from loraplex.platform.models import ModelEntry, ModelResolver
-from loraplex.platform.openai.errors import APIError, model_not_found
+from loraplex.platform.errors import APIError, model_not_found
+from loraplex.platform.model_resolver import ModelEntry, ModelResolver
 from loraplex.platform.openai.protocol import (
     AdapterCard,
     ChatCompletionRequest,

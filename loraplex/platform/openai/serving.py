@@ -24,15 +24,15 @@ from starlette.types import Receive, Scope, Send
 
 from loraplex.engine.client import AdapterNotLoadedError, EngineClient, EngineDeadError
 from loraplex.platform.auth import Caller
-from loraplex.platform.models import ModelResolver, ResolvedModel
-from loraplex.platform.openai import logprobs as lp
-from loraplex.platform.openai.errors import (
+from loraplex.platform.errors import (
     SERVER_ERROR,
     APIError,
     engine_unavailable,
     invalid_request,
     model_not_found,
 )
+from loraplex.platform.model_resolver import ModelResolver, ResolvedModel
+from loraplex.platform.openai import logprobs as lp
 from loraplex.platform.openai.generation import ChoiceEvent, Generation, GenerationUsage
 from loraplex.platform.openai.params import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from loraplex.platform.openai.errors import APIError, invalid_request
+from loraplex.platform.errors import APIError, invalid_request
 
 Endpoint = Literal["completions", "chat"]
 BOTH: frozenset[Endpoint] = frozenset(("completions", "chat"))

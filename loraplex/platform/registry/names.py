@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from loraplex.platform.openai.errors import APIError, clip
+from loraplex.platform.errors import APIError, clip
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 # N in name@N: 1 to 999,999,999, inside every database's integer; any other N (0, 10**20, '²')

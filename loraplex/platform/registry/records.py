@@ -7,7 +7,7 @@ import datetime as dt
 from dataclasses import dataclass
 
 from loraplex.platform.db.models import Adapter, AdapterVersion
-from loraplex.platform.openai.errors import NOT_FOUND, APIError, clip
+from loraplex.platform.errors import NOT_FOUND, APIError, clip
 
 
 @dataclass(frozen=True)

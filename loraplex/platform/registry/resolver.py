@@ -11,7 +11,7 @@ when that version was uploaded. A resolved adapter is loaded into the engine if 
 from __future__ import annotations
 
 from loraplex.platform.auth import Caller
-from loraplex.platform.models import ModelEntry, ResolvedModel
+from loraplex.platform.model_resolver import ModelEntry, ResolvedModel
 from loraplex.platform.registry.names import parse_ref
 from loraplex.platform.registry.service import Registry, parse_tenant_id
 

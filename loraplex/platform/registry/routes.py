@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from loraplex.platform import tenants
 from loraplex.platform.access import OperatorCaller, TenantCaller, TenantWriter
 from loraplex.platform.auth import Caller
-from loraplex.platform.openai.errors import PERMISSION, APIError
+from loraplex.platform.errors import PERMISSION, APIError
 from loraplex.platform.registry.records import AdapterView, VersionView
 from loraplex.platform.registry.service import Registry, parse_tenant_id
 from loraplex.platform.registry.upload import check_content_length, receive_upload

@@ -40,7 +40,7 @@ from loraplex.engine.client import EngineClient, EngineDeadError
 from loraplex.platform import audit
 from loraplex.platform.db.models import Adapter, AdapterVersion, Tenant, utcnow
 from loraplex.platform.db.scope import TenantScope
-from loraplex.platform.openai.errors import SERVER_ERROR, APIError
+from loraplex.platform.errors import SERVER_ERROR, APIError
 from loraplex.platform.registry.names import AdapterRef, check_adapter_name, parse_ref
 from loraplex.platform.registry.records import (
     AdapterView,
@@ -60,7 +60,7 @@ from loraplex.platform.registry.validate import (
 
 if TYPE_CHECKING:
     from loraplex.lora.adapter import BaseModelInfo
-    from loraplex.platform.models import ModelResolver
+    from loraplex.platform.model_resolver import ModelResolver
     from loraplex.platform.tenancy import Platform
 
 logger = logging.getLogger(__name__)

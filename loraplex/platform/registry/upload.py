@@ -29,7 +29,7 @@ from typing import IO, Any, Literal
 
 import anyio.to_thread
 
-from loraplex.platform.openai.errors import APIError, clip
+from loraplex.platform.errors import APIError, clip
 from loraplex.platform.registry.storage import CONFIG_NAME, WEIGHTS_NAME
 
 try:

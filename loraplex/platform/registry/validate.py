@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loraplex.platform.openai.errors import APIError
+from loraplex.lora.errors import AdapterError
+from loraplex.platform.errors import APIError
 from loraplex.platform.registry.storage import CONFIG_NAME, WEIGHTS_NAME
 from loraplex.platform.registry.upload import ACCEPTED, FileRole
 
 if TYPE_CHECKING:
-    from loraplex.lora.adapter import AdapterError, BaseModelInfo
+    from loraplex.lora.adapter import BaseModelInfo
 
 # AdapterError codes answered 413 (too large); every other code is a 400 with its own code.
 TOO_LARGE_CODES = frozenset({"too_large", "archive_too_large"})
@@ -78,10 +79,7 @@ def validate_upload(
 
 
 def as_adapter_error(exc: ValueError) -> AdapterError | None:
-    """``exc`` if it is the validator's (or the engine's) ``AdapterError``. Imported here only:
-    when one was raised, its module is loaded already."""
-    from loraplex.lora.archive import AdapterError
-
+    """``exc`` if it is the validator's (or the engine's) ``AdapterError``."""
     return exc if isinstance(exc, AdapterError) else None
 
 

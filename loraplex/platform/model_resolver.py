@@ -23,7 +23,7 @@ from typing import Protocol
 
 from loraplex.engine.client import AdapterInfo
 from loraplex.platform.auth import Caller
-from loraplex.platform.openai.errors import APIError, model_not_found
+from loraplex.platform.errors import APIError, model_not_found
 
 
 @dataclass(frozen=True)
