@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
+SchedulingPolicy = Literal["fcfs"]  # the order waiting requests are admitted in
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,11 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64  # requests in one step
     max_num_batched_tokens: int = 512  # tokens in one step (prefill chunks + decodes)
+    scheduling_policy: SchedulingPolicy = "fcfs"  # engine/waiting_queue.py
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in ("fcfs",):
+            raise ValueError(f"scheduling_policy must be fcfs; got {self.scheduling_policy!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1; got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

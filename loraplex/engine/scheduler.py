@@ -1,16 +1,17 @@
 """Continuous-batching scheduler: schedules tokens, not phases. Pure Python, no torch.
 
 Every request catches its ``num_computed_tokens`` up to ``num_tokens``. One step takes running
-requests first (decodes and unfinished prefill chunks, oldest first), then admits waiting ones
-(FCFS), within ``max_num_batched_tokens`` tokens and ``max_num_seqs`` requests. A prompt longer
-than the remaining budget is split into chunks over several steps (chunked prefill). When the KV
-pool runs dry, the newest running request is preempted: its blocks are freed and it goes back to
-the front of the waiting queue, to be recomputed later (its generated tokens are kept).
+requests first (decodes and unfinished prefill chunks, oldest first), then admits waiting ones in
+the order of the scheduling policy (``WaitingQueue``; FCFS by default), within
+``max_num_batched_tokens`` tokens and ``max_num_seqs`` requests. A prompt longer than the
+remaining budget is split into chunks over several steps (chunked prefill). When the KV pool runs
+dry, the policy's victim (FCFS: the newest running request) is preempted: its blocks are freed and
+it goes back to the front of the waiting queue, to be recomputed later (its generated tokens are
+kept).
 
-With multi-LoRA, a step uses at most ``max_loras`` adapters (device slots, ``LoRASlots``): a
-waiting request whose adapter has no slot is skipped, not blocking the requests behind it. Once a
-skipped request has waited ``LORA_STARVATION_STEPS`` steps, no further adapter request is admitted
-until it is, so the slots drain and it gets one: a cold adapter is served within a bounded time.
+With multi-LoRA, a step uses at most ``max_loras`` adapters (device slots, ``LoRASlots``); which
+waiting adapter request may pass another that has no slot is the policy's rule (``FCFSQueue``:
+skipped, with a bound on how long a cold adapter waits).
 
 The n samples of one request share the prompt's KV: the first sample (the leader) prefills the
 prompt; in the step that finishes the prompt, the others are forked from it (block tables shared
@@ -20,7 +21,6 @@ by reference) and sample their first token from the leader's last row.
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from loraplex.config import SchedulerConfig
@@ -34,8 +34,7 @@ from loraplex.engine.records import (
     SchedulerOutput,
 )
 from loraplex.engine.request import Request, RequestStatus
-
-LORA_STARVATION_STEPS = 16
+from loraplex.engine.waiting_queue import WaitingQueue, make_waiting_queue
 
 
 @dataclass
@@ -53,13 +52,16 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         max_loras: int = 1,
+        waiting_queue: WaitingQueue | None = None,
     ):
         self.config = config
         self.kv = kv
         self.slots = LoRASlots(max_loras)
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        if waiting_queue is None:  # not ``or``: an empty queue is falsy
+            waiting_queue = make_waiting_queue(config.scheduling_policy)
+        self.waiting = waiting_queue
         self.running: list[Request] = []
         self._pending_forks: dict[str, list[Request]] = {}  # leader id -> samples waiting on it
         self._finished_ids: list[str] = []
@@ -84,7 +86,7 @@ class Scheduler:
         if leader is not None and leader.num_output_tokens == 0 and not leader.status.finished:
             self._pending_forks.setdefault(leader.request_id, []).append(req)
         else:
-            self.waiting.append(req)
+            self.waiting.add(req)
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
         """Remove requests wherever they are; their blocks return at once."""
@@ -95,9 +97,7 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
-            elif req in self.waiting:
-                self.waiting.remove(req)
-            else:
+            elif not self.waiting.remove(req):
                 for samples in self._pending_forks.values():
                     if req in samples:
                         samples.remove(req)
@@ -119,71 +119,11 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        forks: list[ForkedSample] = []
-        preempted = False
-
-        # 1. Running requests, oldest first. Preempt from the newest end when blocks run out.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    break
-            else:
-                scheduled.append(self._scheduled(req, num_new))
-                budget -= num_new
-                i += 1
-                continue
-            break
-
-        # 2. Waiting requests, FCFS, unless this step had to preempt (no room to admit anyone).
-        #    An adapter request that cannot get a LoRA slot is skipped and keeps its place.
-        skipped: list[Request] = []
-        starving = any(r.lora_wait_steps >= LORA_STARVATION_STEPS for r in self.waiting)
-        while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            req = self.waiting.popleft()
-            if req.lora_key is not None and (
-                not self.slots.can_acquire(req.lora_key)
-                or (starving and req.lora_wait_steps < LORA_STARVATION_STEPS)
-            ):
-                req.lora_wait_steps += 1
-                skipped.append(req)
-                continue
-            hits = self.kv.get_computed_blocks(req)
-            num_hit = len(hits) * self.kv.block_size
-            num_new = min(req.num_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(req, num_new, hits):
-                self.waiting.appendleft(req)
-                break
-            self.kv.record_prefix_query(req.num_tokens, num_hit)
-            if req.num_preemptions == 0:
-                req.num_cached_tokens = num_hit
-            req.num_computed_tokens = num_hit
-            req.status = RequestStatus.RUNNING
-            if req.scheduled_time is None:
-                req.scheduled_time = time.monotonic()
-            self.slots.acquire(req.lora_key)
-            self.running.append(req)
-            scheduled.append(self._scheduled(req, num_new))
-            budget -= num_new
-        self.waiting.extendleft(reversed(skipped))
-
-        # 3. Fork the samples of n > 1 requests whose leader finishes its prompt this step.
-        for s in scheduled:
-            if s.sample and s.request_id in self._pending_forks:
-                forks.extend(self._fork(self.requests[s.request_id]))
-
+        budget, preempted = self._schedule_running(scheduled, self.config.max_num_batched_tokens)
+        if not preempted and len(self.waiting):  # a step that had to preempt has no room
+            budget = self._schedule_waiting(scheduled, budget)
+        forks = self._schedule_forks(scheduled)
         self.stats.num_steps += 1
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
@@ -194,6 +134,81 @@ class Scheduler:
             lora_slots=self.slots.in_use(),
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
         )
+
+    def _schedule_running(self, scheduled: list[ScheduledRequest], budget: int) -> tuple[int, bool]:
+        """Running requests, oldest first, within ``budget`` tokens; returns the budget left and
+        whether a request was preempted. While a request's blocks do not fit, the policy's
+        victim among it and the requests after it is preempted; the pass ends when the victim
+        is the request itself."""
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running.pop(self._victim(i))
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    return budget, preempted
+            scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+            i += 1
+        return budget, preempted
+
+    def _victim(self, first: int) -> int:
+        index = self.waiting.preemption_victim(self.running, first)
+        if not first <= index < len(self.running):
+            raise RuntimeError(
+                f"the scheduling policy chose running request {index} to preempt; it must be "
+                f"one of {first}..{len(self.running) - 1} (not yet scheduled this step)"
+            )
+        return index
+
+    def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> int:
+        """Admit waiting requests in the policy's order while the token budget, ``max_num_seqs``
+        and the KV pool allow; returns the budget left. A request that does not fit keeps its
+        place and ends the pass."""
+        waiting = self.waiting
+        waiting.begin_admission(self.slots.can_acquire)
+        try:
+            while budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = waiting.peek()
+                if req is None:
+                    break
+                hits = self.kv.get_computed_blocks(req)
+                num_hit = len(hits) * self.kv.block_size
+                num_new = min(req.num_tokens - num_hit, budget)
+                if not self.kv.allocate_slots(req, num_new, hits):
+                    break
+                waiting.pop()
+                self._admit(req, num_hit)
+                scheduled.append(self._scheduled(req, num_new))
+                budget -= num_new
+        finally:
+            waiting.end_admission()
+        return budget
+
+    def _admit(self, req: Request, num_hit: int) -> None:
+        """``req`` got its blocks (``num_hit`` tokens of them from the prefix cache): running."""
+        self.kv.record_prefix_query(req.num_tokens, num_hit)
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = num_hit
+        req.num_computed_tokens = num_hit
+        req.status = RequestStatus.RUNNING
+        if req.scheduled_time is None:
+            req.scheduled_time = time.monotonic()
+        self.slots.acquire(req.lora_key)
+        self.running.append(req)
+
+    def _schedule_forks(self, scheduled: list[ScheduledRequest]) -> list[ForkedSample]:
+        """Fork the samples of n > 1 requests whose leader finishes its prompt this step."""
+        forks: list[ForkedSample] = []
+        if self._pending_forks:
+            for s in scheduled:
+                if s.sample and s.request_id in self._pending_forks:
+                    forks.extend(self._fork(self.requests[s.request_id]))
+        return forks
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -215,7 +230,7 @@ class Scheduler:
         for req in samples:
             if len(self.running) >= self.config.max_num_seqs:
                 # No room to run it now: it prefills on its own later (prefix cache helps).
-                self.waiting.append(req)
+                self.waiting.add(req)
                 continue
             self.kv.fork(leader.request_id, req.request_id)
             req.status = RequestStatus.RUNNING
@@ -241,7 +256,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.prepend(req)
 
     # ---- results ---------------------------------------------------------------------------
 
@@ -302,4 +317,4 @@ class Scheduler:
         self._finished_ids.append(req.request_id)
         # Samples still waiting on a leader that ends before finishing its prompt run alone.
         for sample in self._pending_forks.pop(req.request_id, []):
-            self.waiting.append(sample)
+            self.waiting.add(sample)
