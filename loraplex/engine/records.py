@@ -69,8 +69,13 @@ class TokenLogprobs:
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, int]  # request_id -> next token, for every sampling request and fork
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # only where params.logprobs
+    """What one step sampled. Every sampling request and fork gets a list of tokens, in order:
+    one today; several where a step verifies draft tokens (speculative decoding). The scheduler
+    appends them one by one and drops those after a token that ends the request."""
+
+    sampled: dict[str, list[int]]  # request_id -> the step's new tokens (at least one)
+    # request_id -> one entry per token of ``sampled``; only where params.logprobs
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass

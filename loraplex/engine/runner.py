@@ -220,8 +220,8 @@ class ModelRunner:
         idx = torch.tensor(index, dtype=torch.long, device=self.device)  # [S]
         logits = self.model.compute_logits(hidden.index_select(0, idx)).float()  # [S, V]
         tokens, logprobs = self.sampler(logits, rows)
-        sampled = {row.request_id: tok for row, tok in zip(rows, tokens, strict=True)}
-        lps: dict[str, TokenLogprobs] = {
-            row.request_id: lp for row, lp in zip(rows, logprobs, strict=True) if lp is not None
+        sampled = {row.request_id: [tok] for row, tok in zip(rows, tokens, strict=True)}
+        lps: dict[str, list[TokenLogprobs]] = {
+            row.request_id: [lp] for row, lp in zip(rows, logprobs, strict=True) if lp is not None
         }
         return RunnerOutput(sampled=sampled, logprobs=lps)

@@ -279,29 +279,40 @@ class Scheduler:
         return outputs
 
     def _append(self, req: Request, result: RunnerOutput, done: set[str]) -> EngineCoreOutput:
-        token = result.sampled[req.request_id]
-        req.append_output_token(token)
-        self.stats.num_generated_tokens += 1
+        """Append the tokens sampled for ``req`` this step (one, or several: speculative
+        decoding), checking the stop conditions after each, as vLLM does: the token that ends
+        the request is kept and the ones after it are dropped."""
+        tokens = result.sampled[req.request_id]
+        queue_time = req.queue_time if req.num_output_tokens == 0 else None
+        params = req.params
+        status: RequestStatus | None = None
+        stop_reason: int | None = None
+        kept = 0
+        for token in tokens:
+            req.append_output_token(token)
+            kept += 1
+            if not params.ignore_eos and token in req.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token in params.stop_ids:
+                status = RequestStatus.FINISHED_STOPPED
+                stop_reason = token
+            elif (
+                params.max_tokens is not None and req.num_output_tokens >= params.max_tokens
+            ) or req.num_tokens >= self.max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                break
+        self.stats.num_generated_tokens += kept
         out = EngineCoreOutput(
             request_id=req.request_id,
-            new_token_ids=[token],
+            new_token_ids=tokens if kept == len(tokens) else tokens[:kept],
             num_cached_tokens=req.num_cached_tokens,
-            queue_time=req.queue_time if req.num_output_tokens == 1 else None,
+            stop_reason=stop_reason,
+            queue_time=queue_time,
         )
         logprobs = result.logprobs.get(req.request_id)
         if logprobs is not None:
-            out.new_logprobs = [logprobs]
-        params = req.params
-        status: RequestStatus | None = None
-        if not params.ignore_eos and token in req.eos_token_ids:
-            status = RequestStatus.FINISHED_STOPPED
-        elif token in params.stop_ids:
-            status = RequestStatus.FINISHED_STOPPED
-            out.stop_reason = token
-        elif (params.max_tokens is not None and req.num_output_tokens >= params.max_tokens) or (
-            req.num_tokens >= self.max_model_len
-        ):
-            status = RequestStatus.FINISHED_LENGTH
+            out.new_logprobs = logprobs if kept == len(logprobs) else logprobs[:kept]
         if status is not None:
             self._finish(req, status)
             out.finish_reason = status.value

@@ -31,8 +31,13 @@ def reference_generate(prompt: list[int], max_tokens: int, seed: int = 0) -> lis
 
 
 class FakeRunner:
-    def __init__(self, num_blocks: int, block_size: int):
+    """``tokens_per_step`` > 1 returns that many tokens per sampling row, each the "model's"
+    next token after the ones before it (as a speculative step whose drafts were all accepted),
+    so the outputs stay those of ``reference_generate``."""
+
+    def __init__(self, num_blocks: int, block_size: int, tokens_per_step: int = 1):
         self.block_size = block_size
+        self.tokens_per_step = tokens_per_step
         self.slots: dict[int, tuple[int, int]] = {}  # slot -> (token, position)
         self.num_blocks = num_blocks
         self.steps = 0
@@ -63,12 +68,19 @@ class FakeRunner:
                 )
                 context.append(tok)
             last_context[s.request_id] = context
-        sampled: dict[str, int] = {}
+        sampled: dict[str, list[int]] = {}
         for s in out.requests:
             if s.sample:
-                seed = s.params.seed or 0
-                sampled[s.request_id] = next_token(last_context[s.request_id], seed)
+                sampled[s.request_id] = self._tokens(last_context[s.request_id], s.params.seed)
         for f in out.forks:
-            sampled[f.request_id] = next_token(last_context[f.parent_id], f.params.seed or 0)
+            sampled[f.request_id] = self._tokens(last_context[f.parent_id], f.params.seed)
         self.steps += 1
         return RunnerOutput(sampled=sampled)
+
+    def _tokens(self, context: list[int], seed: int | None) -> list[int]:
+        context = list(context)
+        new: list[int] = []
+        for _ in range(self.tokens_per_step):
+            new.append(next_token(context, seed or 0))
+            context.append(new[-1])
+        return new

@@ -7,7 +7,12 @@ import torch
 
 import loraplex.engine.runner as runner_mod
 from loraplex.config import CacheConfig, ModelConfig, SchedulerConfig
-from loraplex.engine.records import ForkedSample, ScheduledRequest, SchedulerOutput
+from loraplex.engine.records import (
+    ForkedSample,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from loraplex.engine.runner import ModelRunner
 from loraplex.sampling_params import SamplingParams
 from tests.engine.model_fixtures import GreedySampler, hf_logits, save_tiny
@@ -47,6 +52,12 @@ def step(
     return ScheduledRequest(rid, toks, start, table, sample, GREEDY, prompt or [], [])
 
 
+def one(res: RunnerOutput, rid: str) -> int:
+    """The token sampled for ``rid`` this step: today the runner samples exactly one."""
+    (token,) = res.sampled[rid]
+    return token
+
+
 def hf_greedy(hf: torch.nn.Module, ids: list[int], n: int) -> list[int]:
     ids = list(ids)
     out = []
@@ -72,11 +83,11 @@ def test_chunked_prefill_then_decode_matches_hf(model_dir: tuple[str, torch.nn.M
         == {}
     )
     res = runner.execute(SchedulerOutput([step("a", prompt[17:], 17, table)]))
-    generated = [res.sampled["a"]]
+    generated = [one(res, "a")]
     for _ in range(5):  # decode steps
         pos = len(prompt) + len(generated) - 1
         res = runner.execute(SchedulerOutput([step("a", [generated[-1]], pos, table)]))
-        generated.append(res.sampled["a"])
+        generated.append(one(res, "a"))
     assert generated == hf_greedy(hf, prompt, 6)
 
 
@@ -108,15 +119,15 @@ def test_mixed_decode_and_prefill_batch(
     res = runner.execute(
         SchedulerOutput(
             [
-                step("a", [res.sampled["a"]], len(a), ta),
+                step("a", [one(res, "a")], len(a), ta),
                 step("b", b[10:], 10, tb),
-                step("c", [res.sampled["c"]], len(c), tc),
+                step("c", [one(res, "c")], len(c), tc),
             ]
         )
     )
-    assert res.sampled["b"] == hf_greedy(hf, b, 1)[0]
-    assert res.sampled["a"] == hf_greedy(hf, a, 2)[1]
-    assert res.sampled["c"] == hf_greedy(hf, c, 2)[1]
+    assert one(res, "b") == hf_greedy(hf, b, 1)[0]
+    assert one(res, "a") == hf_greedy(hf, a, 2)[1]
+    assert one(res, "c") == hf_greedy(hf, c, 2)[1]
 
 
 def test_copy_on_write_and_forks(
@@ -132,7 +143,7 @@ def test_copy_on_write_and_forks(
             forks=[ForkedSample("p#1", "p", GREEDY, prompt, [])],
         )
     )
-    assert res.sampled["p"] == res.sampled["p#1"] == hf_greedy(hf, prompt, 1)[0]
+    assert one(res, "p") == one(res, "p#1") == hf_greedy(hf, prompt, 1)[0]
     logits, ids = runner.sampler.calls[-1]  # type: ignore[attr-defined]
     assert ids == ["p", "p#1"] and torch.equal(logits[0], logits[1])  # a fork reuses the row
     # the child shares blocks 10, 20 and gets a private copy of the partial block 30 -> 31
@@ -181,8 +192,8 @@ def test_logprobs_from_real_sampler(model_dir: tuple[str, torch.nn.Module]) -> N
     res = runner.execute(
         SchedulerOutput([ScheduledRequest("q", [1, 2, 3], 0, [3], True, params, [1, 2, 3], [])])
     )
-    lp = res.logprobs["q"]
-    assert lp.token_id == res.sampled["q"] and lp.rank == 1 and len(lp.top) == 2
+    (lp,) = res.logprobs["q"]
+    assert lp.token_id == one(res, "q") and lp.rank == 1 and len(lp.top) == 2
 
 
 def test_kv_cache_sizing(model_dir: tuple[str, torch.nn.Module]) -> None:

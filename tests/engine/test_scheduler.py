@@ -13,7 +13,7 @@ import pytest
 
 from loraplex.config import SchedulerConfig
 from loraplex.engine.kv_cache import KVCacheManager
-from loraplex.engine.records import EngineCoreOutput
+from loraplex.engine.records import EngineCoreOutput, RunnerOutput, TokenLogprobs
 from loraplex.engine.request import Request
 from loraplex.engine.scheduler import Scheduler
 from loraplex.sampling_params import SamplingParams
@@ -311,3 +311,83 @@ def test_cold_adapter_is_not_starved() -> None:
         steps += 1
         assert steps < 16 + 6 + 4, "cold adapter starved"
     assert cold.lora_wait_steps >= 1
+
+
+# ---- several tokens per request per step (speculative decoding, grammar rollback) -------------
+
+
+def lp(token: int) -> TokenLogprobs:
+    return TokenLogprobs(token, -0.5, 1, [(token, -0.5)])
+
+
+def test_several_tokens_per_step_are_appended_and_computed_next_step() -> None:
+    sched, _ = make()
+    r = add(sched, "a", [1, 2, 3], 10, logprobs=1)
+    out = sched.schedule()
+    (o,) = sched.update(out, RunnerOutput({"a": [10, 11, 12]}, {"a": [lp(10), lp(11), lp(12)]}))
+    assert o.new_token_ids == [10, 11, 12] and o.finish_reason is None
+    assert o.new_logprobs is not None and [x.token_id for x in o.new_logprobs] == [10, 11, 12]
+    assert o.queue_time is not None
+    assert r.output_token_ids == [10, 11, 12] and r.num_computed_tokens == 3
+    assert sched.stats.num_generated_tokens == 3
+    out = sched.schedule()  # the three new tokens' KV is computed in one step
+    (s,) = out.requests
+    assert (s.start_pos, s.token_ids, s.sample) == (3, [10, 11, 12], True)
+    (o,) = sched.update(out, RunnerOutput({"a": [13]}, {"a": [lp(13)]}))
+    assert o.new_token_ids == [13] and o.queue_time is None
+
+
+@pytest.mark.parametrize(
+    ("kw", "eos", "reason", "stop_reason"),
+    [
+        (dict(stop_token_ids=[11]), frozenset(), "stop", 11),
+        (dict(), frozenset({11}), "stop", None),
+        (dict(max_tokens=2), frozenset(), "length", None),
+    ],
+)
+def test_a_token_that_ends_the_request_drops_the_ones_after_it(
+    kw: dict[str, object], eos: frozenset[int], reason: str, stop_reason: int | None
+) -> None:
+    sched, _ = make()
+    params = SamplingParams(**{"max_tokens": 10, "logprobs": 0, **kw})  # type: ignore[arg-type]
+    r = Request("a", [1, 2, 3], params, eos_token_ids=eos)
+    sched.add_request(r)
+    out = sched.schedule()
+    (o,) = sched.update(out, RunnerOutput({"a": [10, 11, 12]}, {"a": [lp(10), lp(11), lp(12)]}))
+    assert o.new_token_ids == [10, 11] and r.output_token_ids == [10, 11]
+    assert o.new_logprobs is not None and len(o.new_logprobs) == 2
+    assert (o.finish_reason, o.stop_reason) == (reason, stop_reason)
+    assert sched.stats.num_generated_tokens == 2
+    assert not sched.has_unfinished_requests() and sched.kv.num_used_blocks == 0
+
+
+def test_max_model_len_in_the_middle_of_a_step() -> None:
+    sched, _ = make(max_model_len=5)
+    r = add(sched, "a", [1, 2, 3], 10)
+    out = sched.schedule()
+    (o,) = sched.update(out, RunnerOutput({"a": [10, 11, 12]}))
+    assert o.new_token_ids == [10, 11] and o.finish_reason == "length" and r.num_tokens == 5
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_multi_token_steps_match_reference_under_preemption_and_forks(k: int) -> None:
+    rng = random.Random(k)
+    sched, _ = make(num_blocks=16, max_num_seqs=6, max_tokens=24)
+    runner = FakeRunner(16, 4, tokens_per_step=k)
+    reqs: list[Request] = []
+    for i in range(30):
+        prompt = [rng.randrange(1000) for _ in range(rng.randint(1, 20))]
+        n_out = rng.randint(1, 20)
+        n = 2 if i % 7 == 0 else 1
+        for j in range(n):
+            params = SamplingParams(max_tokens=n_out, seed=j)
+            r = Request(f"r{i}-{j}", prompt, params, parent_id=f"r{i}-0" if j else None)
+            sched.add_request(r)
+            reqs.append(r)
+    got = run_all(sched, runner)
+    assert sched.stats.num_preemptions > 0
+    for r in reqs:
+        want = reference_generate(r.prompt_token_ids, r.params.max_tokens or 0, r.params.seed or 0)
+        assert got[r.request_id] == want == r.output_token_ids, r.request_id
+    sched.kv.check_integrity()
+    assert sched.kv.num_used_blocks == 0
