@@ -224,17 +224,59 @@ class KVCacheManager:
         """Drop the request's references; blocks nobody holds go back to the free queue."""
         table = self._tables.pop(request_id, None)
         self._num_hashed.pop(request_id, None)
-        if table is None:
-            return
+        if table is not None:
+            self._release(table)
+
+    def _release(self, blocks: list[int]) -> None:
         # Reverse order: a prompt's tail blocks are the least likely to be shared, so they are
         # evicted before its head blocks.
-        for block_id in reversed(table):
+        for block_id in reversed(blocks):
             block = self._blocks[block_id]
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block_id] = None
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Keep the KV of the request's first ``num_tokens`` tokens only (rejected draft tokens,
+        a grammar rollback)::
+
+            block_size 4, 10 tokens trimmed to 6:
+            before  [ t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 .  .  ]
+            after   [ t0 t1 t2 t3 | t4 t5 .  .  ]                the third block is released
+                      full: kept    now partial: rewritten from t6 on
+
+        Released blocks go back as ``free`` returns them: a full one keeps its hash (its KV
+        is still that of the tokens it was registered under) and stays cached. The block that
+        became partial loses its hash if this request alone holds it, since the request writes
+        into it next; a shared one keeps its hash and is copied before the next write
+        (copy-on-write). ``req.block_hashes`` keeps only the full blocks of the request's
+        tokens (truncate them first, ``Request.truncate``, when they change too).
+        """
+        bs = self.block_size
+        table = self._tables.get(req.request_id)
+        held = len(table) * bs if table is not None else 0
+        if not 0 <= num_tokens <= held:
+            raise ValueError(
+                f"request {req.request_id!r} holds KV for at most {held} tokens; "
+                f"cannot trim it to {num_tokens}"
+            )
+        del req.block_hashes[req.num_tokens // bs :]
+        if table is None:
+            return
+        num_full = num_tokens // bs
+        keep = self.blocks_needed(num_tokens)
+        self._release(table[keep:])
+        del table[keep:]  # in place: scheduled records reference the table
+        self._num_hashed[req.request_id] = min(self._num_hashed[req.request_id], num_full)
+        if keep > num_full:  # the last block kept is partial now
+            block_id = table[-1]
+            block = self._blocks[block_id]
+            if block.block_hash is not None and block.ref_cnt == 1:
+                if self._cached.get(block.block_hash) == block_id:
+                    del self._cached[block.block_hash]
+                block.block_hash = None
 
     def take_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write (src, dst) pairs recorded since the last call; the runner does them."""

@@ -84,3 +84,15 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens: drop generated tokens after them (rejected
+        drafts, a grammar rollback). In place: scheduled records reference these lists."""
+        if not self.num_prompt_tokens <= num_tokens <= self.num_tokens:
+            raise ValueError(
+                f"request {self.request_id!r}: cannot truncate to {num_tokens} tokens; keep "
+                f"{self.num_prompt_tokens} (the prompt) to {self.num_tokens} (all of them)"
+            )
+        del self.output_token_ids[num_tokens - self.num_prompt_tokens :]
+        del self.all_token_ids[num_tokens:]
+        self.num_computed_tokens = min(self.num_computed_tokens, num_tokens)

@@ -116,6 +116,20 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting) + sum(len(s) for s in self._pending_forks.values())
 
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        """Forget the request's tokens from position ``num_tokens`` on, and their KV: rejected
+        draft tokens (speculative decoding), a grammar's rollback. The prompt always stays.
+
+        The KV kept is at most ``num_tokens - 1`` tokens: the last token left is computed again
+        next step, since its logits sample the next token.
+        """
+        req = self.requests.get(request_id)
+        if req is None:
+            raise ValueError(f"request {request_id!r} is not in the engine (finished or unknown)")
+        req.truncate(num_tokens)
+        req.num_computed_tokens = min(req.num_computed_tokens, num_tokens - 1)
+        self.kv.trim(req, req.num_computed_tokens)
+
     # ---- one step --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

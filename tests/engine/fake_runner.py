@@ -38,6 +38,9 @@ class FakeRunner:
     def __init__(self, num_blocks: int, block_size: int, tokens_per_step: int = 1):
         self.block_size = block_size
         self.tokens_per_step = tokens_per_step
+        # request id -> the token its next sample returns instead of the model's (a grammar
+        # forcing a token after a rollback); the tokens after it follow the model again
+        self.forced: dict[str, int] = {}
         self.slots: dict[int, tuple[int, int]] = {}  # slot -> (token, position)
         self.num_blocks = num_blocks
         self.steps = 0
@@ -67,20 +70,25 @@ class FakeRunner:
                     f"{s.request_id}: slot of position {pos} holds {stored_pos}"
                 )
                 context.append(tok)
+            known = s.prompt_token_ids + s.output_token_ids
+            assert context == known[:end], f"{s.request_id}: the KV read back is not its tokens"
             last_context[s.request_id] = context
         sampled: dict[str, list[int]] = {}
         for s in out.requests:
             if s.sample:
-                sampled[s.request_id] = self._tokens(last_context[s.request_id], s.params.seed)
+                context = last_context[s.request_id]
+                sampled[s.request_id] = self._tokens(s.request_id, context, s.params.seed)
         for f in out.forks:
-            sampled[f.request_id] = self._tokens(last_context[f.parent_id], f.params.seed)
+            context = last_context[f.parent_id]
+            sampled[f.request_id] = self._tokens(f.request_id, context, f.params.seed)
         self.steps += 1
         return RunnerOutput(sampled=sampled)
 
-    def _tokens(self, context: list[int], seed: int | None) -> list[int]:
+    def _tokens(self, request_id: str, context: list[int], seed: int | None) -> list[int]:
         context = list(context)
         new: list[int] = []
         for _ in range(self.tokens_per_step):
-            new.append(next_token(context, seed or 0))
+            forced = self.forced.pop(request_id, None)
+            new.append(next_token(context, seed or 0) if forced is None else forced)
             context.append(new[-1])
         return new

@@ -165,3 +165,145 @@ def test_reset_prefix_cache_drops_only_free_blocks() -> None:
 def test_too_few_blocks_is_an_error() -> None:
     with pytest.raises(ValueError, match="num_blocks"):
         KVCacheManager(num_blocks=1, block_size=16)
+
+
+# ---- trimming a request's last tokens (speculative decoding, grammar rollback) ----------------
+
+
+def grown(rid: str, prompt: list[int], outputs: list[int]) -> Request:
+    r = req(rid, prompt)
+    for t in outputs:
+        r.append_output_token(t)
+    return r
+
+
+def hits_of(kv: KVCacheManager, tokens: list[int]) -> int:
+    """Tokens a new request with these tokens would take from the prefix cache."""
+    return len(kv.get_computed_blocks(req("probe", tokens))) * kv.block_size
+
+
+def test_trim_within_a_block_keeps_every_block() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = grown("a", [0, 1, 2], list(range(3, 10)))  # [0..3] [4..7] [8 9]
+    admit(kv, a)
+    table = list(kv.block_table("a"))
+    a.truncate(9)
+    kv.trim(a, 9)
+    assert kv.block_table("a") == table and kv.num_free_blocks == 4
+    assert hits_of(kv, [*range(8), 50]) == 8  # both full blocks still cached
+    kv.check_integrity()
+
+
+def test_trim_across_blocks_releases_the_tail_and_unhashes_the_partial_block() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = grown("a", [0, 1, 2], list(range(3, 10)))
+    admit(kv, a)
+    table = list(kv.block_table("a"))
+    assert kv.num_cached_blocks == 2
+    a.truncate(5)
+    kv.trim(a, 5)
+    assert kv.block_table("a") == table[:2]
+    assert kv.num_free_blocks == 5
+    assert len(a.block_hashes) == 1  # only [0..3] is a full block of its tokens
+    # [4..7] is now written from position 5 on: it must not be found under its old hash
+    assert kv.num_cached_blocks == 1
+    assert hits_of(kv, [*range(8), 50]) == 4
+    # the released tail block had no hash: it is handed out first
+    b = req("b", [100, 101])
+    assert kv.allocate_slots(b, 2)
+    assert kv.block_table("b") == [table[2]]
+    kv.check_integrity()
+
+
+def test_trim_to_a_block_boundary_keeps_the_full_blocks_cached() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = grown("a", [0, 1, 2], list(range(3, 10)))
+    admit(kv, a)
+    a.truncate(8)
+    kv.trim(a, 8)
+    assert len(kv.block_table("a")) == 2 and kv.num_free_blocks == 5
+    assert len(a.block_hashes) == 2 and kv.num_cached_blocks == 2
+    assert hits_of(kv, [*range(8), 50]) == 8
+    kv.check_integrity()
+
+
+def test_full_blocks_released_by_a_trim_stay_cached_and_new_tokens_get_new_hashes() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = grown("a", [0, 1, 2], list(range(3, 12)))  # three full blocks, all cached
+    admit(kv, a)
+    a.truncate(4)
+    kv.trim(a, 4)
+    assert kv.num_cached_blocks == 3  # released whole: still valid for their tokens
+    assert hits_of(kv, [*range(12), 50]) == 12
+    a.num_computed_tokens = 4
+    for t in (70, 71, 72, 73, 74):  # it continues with other tokens from position 4
+        a.append_output_token(t)
+    assert kv.allocate_slots(a, 5)
+    a.num_computed_tokens = 9
+    assert hits_of(kv, [0, 1, 2, 3, 70, 71, 72, 73, 9]) == 8
+    assert hits_of(kv, [*range(12), 50]) == 12  # the old continuation is still there
+    kv.check_integrity()
+
+
+def test_trim_keeps_shared_blocks_intact_and_copies_before_writing() -> None:
+    kv = KVCacheManager(num_blocks=12, block_size=4)
+    a = grown("a", [0, 1, 2], list(range(3, 12)))
+    admit(kv, a)
+    b = req("b", [*range(8), 60, 61])
+    assert admit(kv, b) == 8  # shares a's first two blocks
+    shared = kv.block_table("a")[1]
+    a.truncate(6)
+    kv.trim(a, 6)  # [4..7] is partial for a, but b still reads all of it
+    assert kv.block_table("a") == kv.block_table("b")[:2]
+    assert hits_of(kv, [*range(8), 50]) == 8  # its hash stays: its content is unchanged
+    a.num_computed_tokens = 6
+    a.append_output_token(99)
+    assert kv.allocate_slots(a, 1)  # writes position 6: a private copy first
+    (copy,) = kv.take_copies()
+    assert copy[0] == shared and kv.block_table("a")[1] == copy[1] != shared
+    assert kv.block_table("b")[1] == shared
+    assert hits_of(kv, [*range(8), 50]) == 8
+    kv.check_integrity()
+    kv.free("a")
+    kv.free("b")
+    kv.check_integrity()
+    assert kv.num_used_blocks == 0
+
+
+def test_trim_a_forked_sample_leaves_its_sibling_alone() -> None:
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    p = req("p", list(range(6)))
+    admit(kv, p)
+    kv.fork("p", "c")
+    c = req("c", list(range(6)))
+    c.num_computed_tokens = 6
+    kv.trim(c, 2)
+    assert kv.block_table("c") == kv.block_table("p")[:1]
+    assert len(kv.block_table("p")) == 2
+    kv.check_integrity()
+    kv.free("p")
+    kv.free("c")
+    assert kv.num_used_blocks == 0
+    kv.check_integrity()
+
+
+def test_trim_to_zero_and_errors() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = req("a", list(range(6)))
+    admit(kv, a)
+    with pytest.raises(ValueError, match="at most 8 tokens"):
+        kv.trim(a, 9)
+    with pytest.raises(ValueError, match="cannot trim"):
+        kv.trim(a, -1)
+    kv.trim(a, 0)
+    assert kv.block_table("a") == [] and kv.num_used_blocks == 0
+    a.num_computed_tokens = 0
+    assert kv.allocate_slots(a, 6)  # and it grows again
+    assert len(kv.block_table("a")) == 2
+    kv.check_integrity()
+    waiting = grown("w", [1], list(range(8)))  # holds no blocks: only its hashes change
+    kv.update_block_hashes(waiting)
+    assert len(waiting.block_hashes) == 2
+    waiting.truncate(6)
+    kv.trim(waiting, 0)
+    assert len(waiting.block_hashes) == 1

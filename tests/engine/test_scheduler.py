@@ -17,7 +17,7 @@ from loraplex.engine.records import EngineCoreOutput, RunnerOutput, TokenLogprob
 from loraplex.engine.request import Request
 from loraplex.engine.scheduler import Scheduler
 from loraplex.sampling_params import SamplingParams
-from tests.engine.fake_runner import FakeRunner, reference_generate
+from tests.engine.fake_runner import FakeRunner, next_token, reference_generate
 
 
 def make(
@@ -391,3 +391,91 @@ def test_multi_token_steps_match_reference_under_preemption_and_forks(k: int) ->
         assert got[r.request_id] == want == r.output_token_ids, r.request_id
     sched.kv.check_integrity()
     assert sched.kv.num_used_blocks == 0
+
+
+# ---- rollback -----------------------------------------------------------------------------------
+
+
+def test_rollback_recomputes_the_last_kept_token_and_continues() -> None:
+    sched, runner = make()
+    prompt = [1, 2, 3, 4, 5]
+    r = add(sched, "a", prompt, 8)
+    for _ in range(6):
+        step(sched, runner)
+    want = reference_generate(prompt, 8)
+    assert r.output_token_ids == want[:6]
+    table = sched.kv.block_table("a")
+    sched.rollback("a", len(prompt) + 2)  # keep two generated tokens
+    assert r.output_token_ids == want[:2] and r.num_computed_tokens == len(prompt) + 1
+    assert len(table) == 2  # 6 KV tokens in blocks of 4; the same list the records hold
+    out = sched.schedule()
+    (s,) = out.requests
+    assert (s.start_pos, s.token_ids) == (len(prompt) + 1, [want[1]])
+    sched.update(out, runner.execute(out))
+    run_all(sched, runner)
+    assert r.output_token_ids == want
+    sched.kv.check_integrity()
+    assert sched.kv.num_used_blocks == 0
+
+
+def test_rollback_refuses_the_prompt_and_unknown_requests() -> None:
+    sched, runner = make()
+    add(sched, "a", [1, 2, 3], 8)
+    step(sched, runner)
+    with pytest.raises(ValueError, match="cannot truncate to 2 tokens"):
+        sched.rollback("a", 2)
+    with pytest.raises(ValueError, match="not in the engine"):
+        sched.rollback("zzz", 3)
+    sched.rollback("a", 3)  # back to the prompt alone: it samples its first token again
+    assert sched.requests["a"].num_output_tokens == 0
+
+
+def test_random_rollbacks_with_forced_tokens_keep_the_kv_right() -> None:
+    """Rollbacks to random points, each followed by a forced token (a grammar's choice), among
+    prefix-cache hits, forks and preemption: the fake runner checks every step that the KV read
+    back through the block tables is the request's tokens, so a stale hash would fail it."""
+    rng = random.Random(11)
+    sched, _ = make(num_blocks=24, max_num_seqs=6, max_tokens=24)
+    runner = FakeRunner(24, 4)
+    forced_at: dict[str, dict[int, int]] = {}  # request id -> position -> forced token
+    reqs: dict[str, Request] = {}
+    shared = [rng.randrange(1000) for _ in range(9)]
+    history: list[list[int]] = [shared]  # token sequences before a rollback: new prompts reuse
+    rollbacks = 0
+    for op in range(3000):
+        if op % 9 == 0:
+            rid = f"r{op}"
+            old = rng.choice(history)
+            prompt = [*old[: rng.randint(1, len(old))], rng.randrange(1000)]
+            n = 2 if op % 5 == 0 else 1
+            for j in range(n):
+                sid = rid if j == 0 else f"{rid}-{j}"
+                params = SamplingParams(max_tokens=rng.randint(4, 20), seed=j)
+                reqs[sid] = Request(sid, prompt, params, parent_id=rid if j else None)
+                sched.add_request(reqs[sid])
+                forced_at[sid] = {}
+        live = [r for r in sched.requests.values() if r.num_output_tokens > 1]
+        if live and rng.random() < 0.15:
+            r = rng.choice(live)
+            keep = rng.randint(r.num_prompt_tokens + 1, r.num_tokens - 1)
+            history.append(list(r.all_token_ids))
+            sched.rollback(r.request_id, keep)
+            forced_at[r.request_id] = {p: t for p, t in forced_at[r.request_id].items() if p < keep}
+            forced = rng.randrange(1000)
+            runner.forced[r.request_id] = forced
+            forced_at[r.request_id][keep] = forced
+            rollbacks += 1
+        step(sched, runner)
+        if op % 50 == 0:
+            sched.kv.check_integrity()
+    run_all(sched, runner)
+    assert rollbacks > 100 and sched.stats.num_preemptions > 0 and sched.kv.stats.prefix_hits
+    sched.kv.check_integrity()
+    assert sched.kv.num_used_blocks == 0
+    for sid, r in reqs.items():
+        assert r.num_output_tokens == r.params.max_tokens
+        tokens = list(r.prompt_token_ids)
+        for t in r.output_token_ids:
+            forced = forced_at[sid].get(len(tokens))
+            assert t == (forced if forced is not None else next_token(tokens, r.params.seed or 0))
+            tokens.append(t)
