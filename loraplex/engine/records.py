@@ -7,9 +7,14 @@ Lists here are references to the scheduler's own lists (no copies): the runner o
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from loraplex.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -51,10 +56,28 @@ class SchedulerOutput:
         default_factory=dict
     )  # device slot -> adapter key, this step
     num_batched_tokens: int = 0
+    # request id -> the tokens its sample may take this step (structured output), a packed
+    # bitmask from ``token_bitmask``; requests not listed sample from the whole vocabulary
+    token_masks: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
         return not self.requests
+
+
+def token_bitmask(allowed: Iterable[int], vocab_size: int) -> np.ndarray:
+    """The packed mask of the tokens a row may sample: ``ceil(vocab_size / 32)`` int32 words,
+    token ``t`` allowed when bit ``t % 32`` of word ``t // 32`` is set (xgrammar's layout, so a
+    grammar matcher's bitmask can be passed as it is)."""
+    import numpy as np  # here, not at the top: the scheduler side of the records stays lean
+
+    bits = np.zeros(-(-vocab_size // 32) * 32, dtype=np.uint8)
+    ids = np.fromiter(allowed, dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"token ids must be in 0..{vocab_size - 1}")
+    bits[ids] = 1
+    words = np.packbits(bits, bitorder="little").view("<i4")  # little-endian words
+    return words.astype(np.int32, copy=False)  # [ceil(V / 32)]
 
 
 @dataclass

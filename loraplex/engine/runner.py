@@ -219,7 +219,14 @@ class ModelRunner:
 
         idx = torch.tensor(index, dtype=torch.long, device=self.device)  # [S]
         logits = self.model.compute_logits(hidden.index_select(0, idx)).float()  # [S, V]
-        tokens, logprobs = self.sampler(logits, rows)
+        masks = None
+        if out.token_masks:  # row index -> bitmask, for the rows whose request has one
+            masks = {
+                i: out.token_masks[row.request_id]
+                for i, row in enumerate(rows)
+                if row.request_id in out.token_masks
+            }
+        tokens, logprobs = self.sampler(logits, rows, masks)
         sampled = {row.request_id: [tok] for row, tok in zip(rows, tokens, strict=True)}
         lps: dict[str, list[TokenLogprobs]] = {
             row.request_id: [lp] for row, lp in zip(rows, logprobs, strict=True) if lp is not None

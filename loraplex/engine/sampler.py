@@ -1,7 +1,9 @@
 """Sampler: one step's logits -> the next token of every sampling request (vLLM semantics).
 
-Order per row: raw logprobs (if asked) -> penalties -> greedy argmax -> temperature -> top-k ->
-top-p -> min-p -> sample. Sampling is the exponential race: ``argmax(probs / q)`` with
+Order per row: token mask (if given) -> raw logprobs (if asked) -> penalties -> greedy argmax ->
+temperature -> top-k -> top-p -> min-p -> sample. The mask comes first, as vLLM applies a
+grammar's bitmask before its sampler: a masked token is never sampled, and logprobs describe the
+distribution the token was drawn from. Sampling is the exponential race: ``argmax(probs / q)`` with
 ``q ~ Exp(1)`` draws a token with probability ``probs``, and lets a seeded row take its ``q``
 from its own generator, so its tokens do not depend on its batch neighbours or its row.
 
@@ -13,8 +15,10 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from loraplex.engine.records import TokenLogprobs
@@ -54,8 +58,14 @@ class Sampler:
             self._prompt_ids.pop(rid, None)
 
     def __call__(
-        self, logits: torch.Tensor, rows: list[SampleRow]
+        self,
+        logits: torch.Tensor,
+        rows: list[SampleRow],
+        token_masks: Mapping[int, np.ndarray] | None = None,
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """One token per row. ``token_masks``: row index -> the packed bitmask of the tokens
+        that row may sample (``records.token_bitmask``), for the rows that have one; each mask
+        allows at least one token."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"Sampler needs logits [num_rows, vocab] with one row per SampleRow; got "
@@ -68,6 +78,8 @@ class Sampler:
         # Padded vocab columns (beyond the tokenizer's) can never be sampled.
         # The input is never written to: every transform below is out-of-place first.
         logits = logits[:, : self.vocab_size].float()  # [S, V]
+        if token_masks:
+            logits = self._apply_token_masks(logits, token_masks)
         params = [r.params for r in rows]
 
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -93,6 +105,28 @@ class Sampler:
             for i, lp in zip(lp_rows, packed(), strict=True):
                 logprobs[i] = lp
         return token_ids, logprobs
+
+    # -- token masks -----------------------------------------------------------------------
+
+    def _apply_token_masks(
+        self, logits: torch.Tensor, masks: Mapping[int, np.ndarray]
+    ) -> torch.Tensor:
+        """Returns a new tensor: -inf where a masked row may not sample; other rows unchanged."""
+        dev, V = logits.device, self.vocab_size
+        idx = list(masks)
+        words = np.stack([masks[i] for i in idx])  # [M, W] int32
+        if words.dtype != np.int32 or words.shape[1] * 32 < V:
+            raise ValueError(
+                f"token masks must be int32 bitmasks of at least {-(-V // 32)} words (vocab "
+                f"{V}); got {words.dtype} of {words.shape[1]} words"
+            )
+        packed = torch.from_numpy(words).to(dev)  # [M, W]
+        shifts = torch.arange(32, dtype=torch.int32, device=dev)  # [32]
+        bits = (packed.unsqueeze(-1) >> shifts) & 1  # [M, W, 32]: bit b of word w = token 32w + b
+        allowed = bits.flatten(1)[:, :V].bool()  # [M, V]
+        idx_t = torch.tensor(idx, device=dev)  # [M]
+        sub = logits.index_select(0, idx_t).masked_fill_(~allowed, -math.inf)  # [M, V]
+        return logits.index_copy(0, idx_t, sub)  # [S, V]
 
     # -- penalties -------------------------------------------------------------------------
 

@@ -148,7 +148,10 @@ class GreedySampler:
         self.calls: list[tuple[torch.Tensor, list[str]]] = []
         self.forgotten: list[str] = []
 
-    def __call__(self, logits: torch.Tensor, rows: list[Any]) -> tuple[list[int], list[None]]:
+    def __call__(
+        self, logits: torch.Tensor, rows: list[Any], token_masks: Any = None
+    ) -> tuple[list[int], list[None]]:
+        assert token_masks is None, "GreedySampler applies no token masks"
         assert logits.dtype == torch.float32 and logits.shape == (len(rows), self.vocab_size)
         self.calls.append((logits.clone(), [r.request_id for r in rows]))
         return logits.argmax(-1).tolist(), [None] * len(rows)

@@ -12,6 +12,7 @@ from loraplex.engine.records import (
     RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
+    token_bitmask,
 )
 from loraplex.engine.runner import ModelRunner
 from loraplex.sampling_params import SamplingParams
@@ -220,3 +221,24 @@ def test_short_block_table_is_refused(model_dir: tuple[str, torch.nn.Module]) ->
     runner = make_runner(model_dir[0])
     with pytest.raises(ValueError, match="block table of 1 blocks cannot hold 6 tokens"):
         runner.execute(SchedulerOutput([step("z", [1, 2, 3, 4, 5, 6], 0, [3])]))
+
+
+def test_token_masks_reach_the_sampler(model_dir: tuple[str, torch.nn.Module]) -> None:
+    path, hf = model_dir
+    runner = make_runner(path)  # the real sampler, greedy
+    prompt = [3, 14, 15, 92, 65]
+    free = hf_greedy(hf, prompt, 1)[0]
+    forced = (free + 1) % runner.spec.vocab_size
+    vocab = runner.spec.vocab_size
+    res = runner.execute(
+        SchedulerOutput(
+            [step("p", prompt, 0, [1, 2]), step("q", prompt, 0, [3, 4])],
+            forks=[ForkedSample("p#1", "p", GREEDY, prompt, [])],
+            token_masks={
+                "p#1": token_bitmask([forced], vocab),
+                "q": token_bitmask([forced], vocab),
+            },
+        )
+    )
+    # the parent row samples freely, its fork (same logits row) and q within their masks
+    assert (one(res, "p"), one(res, "p#1"), one(res, "q")) == (free, forced, forced)

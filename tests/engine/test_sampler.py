@@ -6,9 +6,11 @@ import collections
 import math
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 
+from loraplex.engine.records import token_bitmask
 from loraplex.engine.sampler import Sampler, SampleRow
 from loraplex.sampling_params import SamplingParams
 
@@ -255,3 +257,69 @@ def test_logprobs_are_raw_log_softmax_with_rank_and_top(gen: torch.Generator) ->
         )
         assert all(type(t) is int for t, _ in lp.top)
     assert lps[0] is not None and lps[0].rank == 1  # greedy picks the most likely
+
+
+# -- the per-step token mask hook (structured output) ------------------------------------------
+
+
+def test_token_bitmask_layout() -> None:
+    mask = token_bitmask([0, 31, 32, 69], 70)
+    assert mask.dtype == np.int32 and mask.shape == (3,)
+    words = mask.view(np.uint32).tolist()
+    assert words == [1 | 1 << 31, 1, 1 << 5]
+    with pytest.raises(ValueError, match=r"0\.\.69"):
+        token_bitmask([70], 70)
+    assert not token_bitmask([], 70).any()
+
+
+def test_a_mask_forces_its_token_greedy_random_and_seeded(gen: torch.Generator) -> None:
+    logits = torch.randn(6, V, generator=gen)
+    before = logits.clone()
+    rows = [
+        row("g", temperature=0.0),
+        row("r", temperature=1.0, top_p=0.9),
+        row("s", temperature=0.8, seed=3),
+        row("g2", temperature=0.0),
+        row("r2", temperature=1.0),
+        row("s2", temperature=0.8, seed=5),
+    ]
+    forced = int(logits[0].argmin())  # never the argmax
+    masks = {i: token_bitmask([forced], V) for i in range(3)}
+    tokens, _ = Sampler(V, CPU)(logits, rows, masks)
+    assert tokens[:3] == [forced] * 3
+    # unmasked rows sample as they would without any mask
+    alone, _ = Sampler(V, CPU)(logits, rows)
+    assert tokens[3] == alone[3] == int(logits[3].argmax()) and tokens[5] == alone[5]
+    assert torch.equal(logits, before)  # the input is never written to
+
+
+def test_random_rows_stay_inside_their_mask(gen: torch.Generator) -> None:
+    n = 200
+    logits = torch.randn(n, V, generator=gen)
+    allowed = {3, 5, 9}
+    rows = [row(f"r{i}", temperature=1.5, top_k=20) for i in range(n)]
+    tokens, _ = Sampler(V, CPU)(logits, rows, {i: token_bitmask(allowed, V) for i in range(n)})
+    assert set(tokens) <= allowed and len(set(tokens)) > 1
+
+
+def test_logprobs_are_those_of_the_masked_distribution(gen: torch.Generator) -> None:
+    logits = torch.randn(1, V, generator=gen)
+    (tok,), (lp,) = Sampler(V, CPU)(
+        logits, [row(temperature=0.0, logprobs=3)], {0: token_bitmask([7, 9], V)}
+    )
+    assert lp is not None and lp.token_id == tok and lp.rank == 1
+    assert {t for t, _ in lp.top[:2]} == {7, 9} and lp.top[2][1] == -math.inf
+    want = torch.log_softmax(logits[0, [7, 9]], dim=-1)
+    assert math.isclose(math.exp(lp.logprob), float(want.exp().max()), rel_tol=1e-5)
+
+
+def test_no_masks_no_work(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Sampler, "_apply_token_masks", lambda *a: pytest.fail("masked"))
+    logits = torch.randn(3, V, generator=gen)
+    rows = [row(f"r{i}", temperature=0.0) for i in range(3)]
+    assert Sampler(V, CPU)(logits, rows)[0] == Sampler(V, CPU)(logits, rows, {})[0]
+
+
+def test_a_mask_too_short_for_the_vocabulary_is_refused(gen: torch.Generator) -> None:
+    with pytest.raises(ValueError, match="at least 2 words"):
+        Sampler(V, CPU)(torch.randn(1, V, generator=gen), [row()], {0: token_bitmask([1], 32)})
