@@ -12,6 +12,7 @@ from typing import Literal
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 SchedulingPolicy = Literal["fcfs"]  # the order waiting requests are admitted in
+AttentionBackendName = Literal["auto", "torch", "native"]  # engine/attention/select.py
 
 
 @dataclass(frozen=True)
@@ -23,11 +24,18 @@ class ModelConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
+    # auto: the native CPU kernel where it runs (CPU, float32, built), else torch
+    attention_backend: AttentionBackendName = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(
                 f"dtype must be one of auto, float32, float16, bfloat16; got {self.dtype!r}"
+            )
+        if self.attention_backend not in ("auto", "torch", "native"):
+            raise ValueError(
+                "attention_backend must be one of auto, torch, native; "
+                f"got {self.attention_backend!r}"
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2; got {self.max_model_len}")

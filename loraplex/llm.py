@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from loraplex.config import (
+    AttentionBackendName,
     CacheConfig,
     DType,
     EngineConfig,
@@ -45,10 +46,16 @@ class LLM:
         max_loras: int = 4,
         max_cpu_loras: int = 16,
         max_lora_rank: int = 64,
+        attention_backend: AttentionBackendName = "auto",
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(
-                model=model, dtype=dtype, device=device, max_model_len=max_model_len, seed=seed
+                model=model,
+                dtype=dtype,
+                device=device,
+                max_model_len=max_model_len,
+                seed=seed,
+                attention_backend=attention_backend,
             ),
             cache=CacheConfig(
                 block_size=block_size,

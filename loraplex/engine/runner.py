@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from loraplex.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
-from loraplex.engine.attention import BatchLayout
-from loraplex.engine.attention_native import make_attention_backend
+from loraplex.engine.attention.base import AttentionBackend, BatchLayout
+from loraplex.engine.attention.select import select_backend
 from loraplex.engine.models.llama import LlamaForCausalLM
 from loraplex.engine.models.loader import (
     ModelSpec,
@@ -63,8 +63,12 @@ class ModelRunner:
                 f"({self._spec.max_position_embeddings})"
             )
         self.block_size = cache_config.block_size
-        self.attn = make_attention_backend(
-            self.device, dtype, self._spec.num_heads, self._spec.num_kv_heads
+        self.attn: AttentionBackend = select_backend(
+            model_config.attention_backend,
+            self.device,
+            dtype,
+            self._spec.num_heads,
+            self._spec.num_kv_heads,
         )
         self.sampler = Sampler(self._spec.vocab_size, self.device)
         self.kv_cache: torch.Tensor | None = None  # [layers, 2, num_blocks, block_size, H_kv, Dh]

@@ -16,7 +16,8 @@ from transformers import (
     Qwen3Config,
 )
 
-from loraplex.engine.attention import BatchLayout, TorchPagedAttention
+from loraplex.engine.attention.base import BatchLayout
+from loraplex.engine.attention.torch_backend import TorchPagedAttention
 from loraplex.engine.models.llama import LlamaForCausalLM
 
 COMMON: dict[str, Any] = dict(

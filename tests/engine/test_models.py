@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraplex.engine.attention import SplitAttentionMetadata
+from loraplex.engine.attention.base import SplitAttentionMetadata
 from loraplex.engine.models.layers import PackedLinear, rope_inv_freq, rope_parameters
 from loraplex.engine.models.llama import LlamaForCausalLM
 from loraplex.engine.models.loader import build_spec, load_model

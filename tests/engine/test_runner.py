@@ -7,6 +7,8 @@ import torch
 
 import loraplex.engine.runner as runner_mod
 from loraplex.config import CacheConfig, ModelConfig, SchedulerConfig
+from loraplex.engine.attention.select import select_backend
+from loraplex.engine.attention.torch_backend import TorchPagedAttention
 from loraplex.engine.records import (
     ForkedSample,
     RunnerOutput,
@@ -19,6 +21,7 @@ from loraplex.sampling_params import SamplingParams
 from tests.engine.model_fixtures import GreedySampler, hf_logits, save_tiny
 
 BLOCK = 4
+CPU, F32 = torch.device("cpu"), torch.float32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 
@@ -242,3 +245,21 @@ def test_token_masks_reach_the_sampler(model_dir: tuple[str, torch.nn.Module]) -
     )
     # the parent row samples freely, its fork (same logits row) and q within their masks
     assert (one(res, "p"), one(res, "p#1"), one(res, "q")) == (free, forced, forced)
+
+
+def test_attention_backend_from_the_config(model_dir: tuple[str, torch.nn.Module]) -> None:
+    path, hf = model_dir
+    prompt = [3, 14, 15, 92, 65, 35]
+    for name in ("torch", "auto"):
+        runner = ModelRunner(
+            ModelConfig(max_model_len=128, attention_backend=name),  # type: ignore[arg-type]
+            CacheConfig(block_size=BLOCK, num_blocks=48),
+            SchedulerConfig(),
+            path,
+        )
+        runner.init_kv_cache()
+        want = TorchPagedAttention if name == "torch" else type(select_backend("auto", CPU, F32))
+        assert type(runner.attn) is want
+        res = runner.execute(SchedulerOutput([step("a", prompt, 0, [1, 2])]))
+        decode = runner.execute(SchedulerOutput([step("a", [one(res, "a")], 6, [1, 2])]))
+        assert [one(res, "a"), one(decode, "a")] == hf_greedy(hf, prompt, 2)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.engine.attention import AttentionBackend, AttentionMetadata
+from loraplex.engine.attention.base import AttentionBackend, AttentionMetadata
 from loraplex.engine.models.layers import (
     Linear,
     PackedLinear,

@@ -1,5 +1,5 @@
 """NativePagedAttention (the C decode kernel) against TorchPagedAttention on hand-built paged
-caches, and how ``make_attention_backend`` chooses between them."""
+caches (how the backend is chosen: test_select.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from loraplex.engine.attention import BatchLayout, TorchAttentionMetadata, TorchPagedAttention
-from loraplex.engine.attention_native import (
-    NativeAttentionMetadata,
-    NativePagedAttention,
-    make_attention_backend,
-)
+from loraplex.engine.attention.base import BatchLayout
+from loraplex.engine.attention.native import NativeAttentionMetadata, NativePagedAttention
+from loraplex.engine.attention.torch_backend import TorchAttentionMetadata, TorchPagedAttention
 from loraplex.kernels import native
 from tests.kernels.native_spy import LibSpy, install_spy
 
@@ -194,36 +191,3 @@ def test_seq_len_beyond_the_block_table_raises() -> None:
     assert isinstance(md, NativeAttentionMetadata) and md.decode_tables_host.shape == (2, 3)
     with pytest.raises(RuntimeError, match="lp_paged_decode_attention rejected"):
         backend.forward(0, step.q, step.k, step.v, step.cache.clone(), md)
-
-
-def test_native_backend_is_chosen() -> None:
-    assert native.library() is not None
-    assert isinstance(make_attention_backend(CPU, torch.float32), NativePagedAttention)
-
-
-@pytest.mark.parametrize(
-    ("device", "dtype"),
-    [(CPU, torch.bfloat16), (CPU, torch.float16), (torch.device("meta"), torch.float32)],
-)
-def test_torch_backend_outside_cpu_fp32(device: torch.device, dtype: torch.dtype) -> None:
-    assert type(make_attention_backend(device, dtype)) is TorchPagedAttention
-    with pytest.raises(ValueError, match="CPU fp32 only"):
-        NativePagedAttention(device, dtype)
-
-
-def test_more_query_heads_per_kv_head_than_the_kernel_takes_chooses_torch() -> None:
-    assert type(make_attention_backend(CPU, torch.float32, 130, 2)) is TorchPagedAttention
-    assert isinstance(make_attention_backend(CPU, torch.float32, 128, 2), NativePagedAttention)
-
-
-def test_native_off_chooses_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    with monkeypatch.context() as env:
-        env.setenv(native.NATIVE_ENV, "0")
-        native.library.cache_clear()
-        try:
-            assert type(make_attention_backend(CPU, torch.float32)) is TorchPagedAttention
-            with pytest.raises(RuntimeError, match="not available"):
-                NativePagedAttention(CPU, torch.float32)
-        finally:
-            native.library.cache_clear()
-    assert isinstance(make_attention_backend(CPU, torch.float32), NativePagedAttention)

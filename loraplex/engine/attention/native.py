@@ -7,9 +7,9 @@ the paged cache, through its block table, instead of gathering every sequence's 
 the longest one and running a masked SDPA over them, which is what the torch backend does and what
 made attention about 16% of a decode step on 2 CPU threads.
 
-``make_attention_backend`` picks this backend on the CPU in fp32 when the native kernels are
-available (``loraplex.kernels.native``), and the torch backend otherwise; ``LORAPLEX_NATIVE=0``
-forces the torch backend.
+``select.select_backend`` picks this backend (``auto``) on the CPU in fp32 when the native
+kernels are available (``loraplex.kernels.native``) and the kernel takes the model's heads, and
+the torch backend otherwise; ``LORAPLEX_NATIVE=0`` turns the native kernels off.
 """
 
 from __future__ import annotations
@@ -20,14 +20,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from loraplex.engine.attention import (
+from loraplex.engine.attention.base import (
     AttentionMetadata,
     BatchLayout,
     SplitAttentionMetadata,
-    TorchPagedAttention,
     split_batch,
 )
+from loraplex.engine.attention.torch_backend import TorchPagedAttention
 from loraplex.kernels import native
+
+# query heads per KV head the kernel handles (LP_MAX_GROUP in cpu_kernels.c)
+MAX_GROUP = 64
 
 
 @dataclass
@@ -125,23 +128,3 @@ class NativePagedAttention(TorchPagedAttention):
                 f"{k_cache.shape[2]}, seq_lens up to {int(md.decode_seq_lens_host.max())}, "
                 f"table width {tables.shape[1]} x block {k_cache.shape[1]})"
             )
-
-
-# query heads per KV head the kernel handles (LP_MAX_GROUP in cpu_kernels.c)
-MAX_GROUP = 64
-
-
-def make_attention_backend(
-    device: torch.device, dtype: torch.dtype, num_heads: int = 1, num_kv_heads: int = 1
-) -> TorchPagedAttention:
-    """The native CPU backend where it applies (CPU, fp32, kernels built, at most ``MAX_GROUP``
-    query heads per KV head), else plain torch."""
-    group = num_heads // max(num_kv_heads, 1)
-    if (
-        device.type == "cpu"
-        and dtype == torch.float32
-        and group <= MAX_GROUP
-        and native.library() is not None
-    ):
-        return NativePagedAttention(device, dtype)
-    return TorchPagedAttention(device, dtype)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from loraplex.engine.attention import TorchAttentionMetadata, TorchPagedAttention
+from loraplex.engine.attention.torch_backend import TorchAttentionMetadata, TorchPagedAttention
 from tests.engine.model_fixtures import layout_for
 
 BLOCK = 4
