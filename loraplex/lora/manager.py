@@ -18,22 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from loraplex.config import LoRAConfig
+from loraplex.engine.models.llama import LlamaForCausalLM
 from loraplex.kernels.meta import LoRAKernelMeta
 from loraplex.lora.adapter import BaseModelInfo, LoRAAdapter, load_adapter
 from loraplex.lora.layers import LoRALinear, LoRAStep
 
 logger = logging.getLogger(__name__)
-
-# decoder-layer attribute path -> the checkpoint modules packed in it, in output order
-LORA_TARGETS: dict[str, list[str]] = {
-    "self_attn.qkv_proj": ["q_proj", "k_proj", "v_proj"],
-    "self_attn.o_proj": ["o_proj"],
-    "mlp.gate_up_proj": ["gate_proj", "up_proj"],
-    "mlp.down_proj": ["down_proj"],
-}
 
 
 @dataclass
@@ -49,7 +41,7 @@ class LoRAStats:
 class LoRAManager:
     def __init__(
         self,
-        model: nn.Module,
+        model: LlamaForCausalLM,
         hf_config: Any,
         config: LoRAConfig,
         max_num_tokens: int,
@@ -60,16 +52,17 @@ class LoRAManager:
         self.step = LoRAStep()
         self.meta = LoRAKernelMeta(max_num_tokens, config.max_loras, device)
         self.layers: list[tuple[int, LoRALinear]] = []
-        decoder_layers: nn.ModuleList = model.model.layers  # type: ignore[union-attr,assignment]
-        for i, layer in enumerate(decoder_layers):
-            for path, names in LORA_TARGETS.items():
-                parent_name, attr = path.split(".")
-                parent = getattr(layer, parent_name)
+        # Which linears to wrap, and what each packs, is the model class's to say.
+        targets = model.lora_targets()
+        for i, layer in enumerate(model.model.layers):
+            for path, names in targets.items():
+                parent_name, _, attr = path.rpartition(".")
+                parent = layer.get_submodule(parent_name)
                 wrapped = LoRALinear(getattr(parent, attr), names, self.step)
                 setattr(parent, attr, wrapped)
                 self.layers.append((i, wrapped))
         # The checkpoint modules an adapter may target on this model, in layer order.
-        self.target_modules = tuple(m for names in LORA_TARGETS.values() for m in names)
+        self.target_modules = tuple(m for names in targets.values() for m in names)
         self._allocated = False
         self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self._sources: dict[str, Path] = {}

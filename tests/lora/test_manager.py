@@ -4,12 +4,19 @@ loading adapters while requests run, and bad adapters refused at add time."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from loraplex import LoRARequest, SamplingParams
+from loraplex.config import LoRAConfig
+from loraplex.engine.models import ARCHITECTURES, LlamaForCausalLM
+from loraplex.engine.models.layers import Linear
 from loraplex.llm import LLM
-from loraplex.lora.adapter import AdapterError
+from loraplex.lora.adapter import SUPPORTED_MODULES, AdapterError
+from loraplex.lora.layers import LoRALinear
+from loraplex.lora.manager import LoRAManager
 from tests.conftest import make_tiny_model
 from tests.lora.test_lora_equivalence import make_adapter
 
@@ -133,3 +140,66 @@ def test_slot_reload_drops_prepared_weights(env: tuple[str, list[str]]) -> None:
         )
         assert out[0].outputs[0].token_ids == fresh[0].outputs[0].token_ids, name
     assert ours[0][0].outputs[0].token_ids != ours[1][0].outputs[0].token_ids
+
+
+# ---- the model class declares what LoRA wraps ---------------------------------------------------
+
+
+def tiny_config(arch: str) -> Any:
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch](**common)
+
+
+ARCH_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama"}
+ARCH_OF |= {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_every_model_class_declares_its_lora_targets(name: str) -> None:
+    cls = ARCHITECTURES[name]
+    targets = cls.lora_targets()
+    assert tuple(targets) == cls.lora_modules
+    # together they are exactly the modules adapter validation accepts, in the same order
+    assert tuple(m for names in targets.values() for m in names) == SUPPORTED_MODULES
+    model = cls(tiny_config(ARCH_OF[name]), 64, torch.float32, torch.device("cpu"))
+    for layer in model.model.layers:
+        for path, names in targets.items():
+            linear = layer.get_submodule(path)
+            assert isinstance(linear, Linear)
+            shards = list(linear.output_slices)  # a plain linear's one slice is unnamed
+            assert shards == names or (shards == [""] and names == [path.rpartition(".")[2]])
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_the_manager_wraps_exactly_the_declared_modules(name: str) -> None:
+    cls = ARCHITECTURES[name]
+    model = cls(tiny_config(ARCH_OF[name]), 64, torch.float32, torch.device("cpu"))
+    mgr = LoRAManager(model, model.config, LoRAConfig(), 16, torch.device("cpu"))
+    wrapped = {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+    want = {f"model.layers.{i}.{p}" for i in range(2) for p in cls.lora_modules}
+    assert set(wrapped) == want and len(mgr.layers) == len(want)
+    for path, names in cls.lora_targets().items():
+        assert wrapped[f"model.layers.0.{path}"].module_names == names
+    assert mgr.target_modules == SUPPORTED_MODULES
+
+
+class AttentionOnly(LlamaForCausalLM):
+    lora_modules = ("self_attn.qkv_proj", "self_attn.o_proj")
+
+
+def test_the_manager_reads_the_targets_from_the_model() -> None:
+    model = AttentionOnly(tiny_config("llama"), 64, torch.float32, torch.device("cpu"))
+    mgr = LoRAManager(model, model.config, LoRAConfig(), 16, torch.device("cpu"))
+    assert mgr.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert not isinstance(model.model.layers[0].mlp.down_proj, LoRALinear)
+    assert isinstance(model.model.layers[1].self_attn.o_proj, LoRALinear)

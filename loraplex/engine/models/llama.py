@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama, Mistral, SmolLM2; Qwen2/Qwen3 in ``qwen.py``) on flat batches.
 
 Module names mirror Hugging Face's so checkpoints load by name; q/k/v and gate/up are fused into
-``qkv_proj`` and ``gate_up_proj``, declared in ``packed_modules``. Forward takes the step's flat
+``qkv_proj`` and ``gate_up_proj``, declared in ``packed_modules``; the linears LoRA wraps are
+declared in ``lora_modules``. Forward takes the step's flat
 ``input_ids [T]`` and ``positions [T]`` plus the attention metadata and returns ``[T, hidden]``;
 ``compute_logits`` applies the LM head to the rows that sample.
 """
@@ -211,6 +212,23 @@ class LlamaForCausalLM(nn.Module):
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
+    # the decoder-layer linears LoRA wraps (attribute paths from a decoder layer)
+    lora_modules: ClassVar[tuple[str, ...]] = (
+        "self_attn.qkv_proj",
+        "self_attn.o_proj",
+        "mlp.gate_up_proj",
+        "mlp.down_proj",
+    )
+
+    @classmethod
+    def lora_targets(cls) -> dict[str, list[str]]:
+        """Each of ``lora_modules`` -> the checkpoint modules it holds, in output order
+        (``packed_modules`` for a packed one): together, the modules an adapter may target."""
+        targets: dict[str, list[str]] = {}
+        for path in cls.lora_modules:
+            leaf = path.rpartition(".")[2]
+            targets[path] = list(cls.packed_modules.get(leaf, [leaf]))
+        return targets
 
     @classmethod
     def decoder_options(cls, cfg: Any) -> DecoderOptions:
