@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
 
-    from loraplex.platform.serve import add_serve_arguments
+    from loraplex.server.serve import add_serve_arguments
 
     add_serve_arguments(
         commands.add_parser(
@@ -322,7 +322,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from loraplex.platform.serve import run_serve
+    from loraplex.server.serve import run_serve
 
     return run_serve(args)
 

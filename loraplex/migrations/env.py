@@ -48,7 +48,7 @@ def _url() -> str:
     url = config.attributes.get("url") or config.get_main_option("sqlalchemy.url")
     if url:
         return str(url)
-    from loraplex.platform.tenancy import TenancySettings
+    from loraplex.platform.settings import TenancySettings
 
     return TenancySettings.model_validate({}).resolved_database_url
 

@@ -25,7 +25,7 @@ the routes' caller dependencies (FastAPI runs a dependency once per request), so
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, get_args
 
@@ -42,8 +42,8 @@ from loraplex.platform.auth import (
     SCOPE_INFERENCE,
     Caller,
     bearer_token,
-    get_caller,
 )
+from loraplex.platform.deps import get_platform
 from loraplex.platform.errors import INVALID_REQUEST, PERMISSION, APIError
 from loraplex.platform.keys import parse_key
 from loraplex.platform.request_log import request_record
@@ -53,6 +53,28 @@ AUDIENCES: tuple[Audience, ...] = get_args(Audience)
 # What an operator owns: a tenant's credential reaches none of these.
 OPERATOR_AUDIENCES: frozenset[Audience] = frozenset({"operator", "metrics", "admin_ui"})
 _PUBLIC_MOUNT = "public:"  # the name prefix of mounted apps anyone may read (static files)
+
+
+# ---- who is calling ----------------------------------------------------------------------------
+
+
+async def get_caller(request: Request) -> Caller:
+    """The authenticated caller (the platform's ``Authenticator`` decides), once per request."""
+    caller = await get_platform(request).authenticator.authenticate(request)
+    request.state.caller = caller
+    return caller
+
+
+def require_scope(scope: str) -> Callable[[Request], Coroutine[Any, Any, Caller]]:
+    """A dependency: the caller, who must hold ``scope`` (else 403). Routes use the audience
+    guards below; this is for a check of its own (tests)."""
+
+    async def dependency(request: Request) -> Caller:
+        caller = await get_caller(request)
+        _require_scope(caller, scope)
+        return caller
+
+    return dependency
 
 
 # ---- the guards --------------------------------------------------------------------------------
@@ -108,7 +130,7 @@ async def scraper(request: Request) -> None:
     """``Authorization: Bearer <metrics token>``, or the operator's credential (with a metrics
     token set, an open server's anonymous callers are not accepted). 401 otherwise; 403 for a
     tenant's key."""
-    secret = request.app.state.settings.metrics_token
+    secret = get_platform(request).settings.metrics_token
     expected = secret.get_secret_value().encode() if secret is not None else None
     token = bearer_token(request)
     if (
@@ -171,8 +193,7 @@ def _require_scope(caller: Caller, scope: str) -> None:
     if not caller.has_scope(scope):
         raise APIError(
             403,
-            f"This API key may not do this (it lacks the '{scope}' scope); use a key that has "
-            "it.",
+            f"This API key may not do this (it lacks the '{scope}' scope); use a key that has it.",
             type=PERMISSION,
             code="insufficient_scope",
         )

@@ -29,7 +29,7 @@ from loraplex.platform.db.models import utcnow
 from loraplex.platform.db.scope import TenantScope
 from loraplex.platform.errors import APIError
 from loraplex.platform.keys import PREFIX, display_key
-from loraplex.platform.tenancy import TenancySettings
+from loraplex.platform.settings import TenancySettings
 
 CLI_ACTOR = "admin (cli)"
 

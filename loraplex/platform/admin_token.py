@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 from loraplex.platform import audit
 from loraplex.platform.db.database import Database
 from loraplex.platform.db.models import PlatformSetting, utcnow
-from loraplex.platform.tenancy import TenancySettings
+from loraplex.platform.settings import TenancySettings
 
 SETTING_KEY = "admin_token_sha256"
 TOKEN_PREFIX = "lpxadm_"

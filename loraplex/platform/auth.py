@@ -9,13 +9,12 @@ Today there is one: :class:`OperatorKeyAuthenticator`, a single operator API key
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 from fastapi import Request
 
-from loraplex.platform.errors import INVALID_REQUEST, PERMISSION, APIError
+from loraplex.platform.errors import INVALID_REQUEST, APIError
 
 ANONYMOUS = "anonymous"  # the caller id of an open server's callers (no --api-key)
 SCOPE_INFERENCE = "inference"
@@ -105,29 +104,3 @@ def _unauthorized(message: str, code: str) -> APIError:
     return APIError(
         401, message, type=INVALID_REQUEST, code=code, headers={"WWW-Authenticate": "Bearer"}
     )
-
-
-async def get_caller(request: Request) -> Caller:
-    """FastAPI dependency: the authenticated caller (``app.state.authenticator`` decides)."""
-    authenticator: Authenticator = request.app.state.authenticator
-    caller = await authenticator.authenticate(request)
-    request.state.caller = caller
-    return caller
-
-
-def require_scope(scope: str) -> Callable[[Request], Coroutine[Any, Any, Caller]]:
-    """FastAPI dependency factory: the caller, who must hold ``scope`` (else 403)."""
-
-    async def dependency(request: Request) -> Caller:
-        caller = await get_caller(request)
-        if not caller.has_scope(scope):
-            raise APIError(
-                403,
-                f"This API key may not do this (it lacks the '{scope}' scope); use a key "
-                "that has it.",
-                type=PERMISSION,
-                code="insufficient_scope",
-            )
-        return caller
-
-    return dependency

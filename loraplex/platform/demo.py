@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import anyio.to_thread
 
@@ -22,6 +22,10 @@ from loraplex.platform import tenants
 from loraplex.platform.db.models import ApiKey
 from loraplex.platform.db.scope import TenantScope
 from loraplex.platform.errors import APIError
+
+if TYPE_CHECKING:
+    from loraplex.platform.components import Platform
+    from loraplex.platform.store import Store
 
 DEMO_TENANT = "demo"
 DEMO_KEY_NAME = "demo (rotated at each --demo start)"
@@ -39,8 +43,8 @@ class DemoInfo:
     adapters: tuple[str, ...]
 
 
-def _rotate_key(platform: Any) -> tuple[str, int]:
-    with platform.db.session() as session:
+def _rotate_key(store: Store) -> tuple[str, int]:
+    with store.db.session() as session:
         tenant = tenants.get_tenant(session, DEMO_TENANT)
         if tenant is None:
             tenant = tenants.create_tenant(
@@ -53,20 +57,22 @@ def _rotate_key(platform: Any) -> tuple[str, int]:
         return new.token, tenant.id
 
 
-async def setup_demo(app: Any, platform: Any) -> DemoInfo:
+async def setup_demo(platform: Platform) -> DemoInfo:
     """Create or refresh the demo tenant; raises ``APIError`` when the served model cannot take
     the demo adapters (they fit the embedded SmolLM2-135M-Instruct only)."""
     from loraplex.platform.registry.upload import STORED_NAME, ReceivedUpload
     from loraplex.platform.registry.validate import CONFIG_NAME, WEIGHTS_NAME
 
-    registry = app.state.registry
-    token, tenant_id = await anyio.to_thread.run_sync(_rotate_key, platform)
+    if platform.tenancy is None:
+        raise ValueError("--demo needs the multi-tenant platform (drop --no-platform)")
+    store, registry = platform.tenancy.store, platform.tenancy.registry
+    token, tenant_id = await anyio.to_thread.run_sync(_rotate_key, store)
     present = {a.name for a in await registry.list_adapters(tenant_id)}
     for name, description in DEMO_ADAPTERS.items():
         if name in present:
             continue
         source = ADAPTERS_DIR / name
-        work = Path(tempfile.mkdtemp(prefix="demo-", dir=platform.data_dir))
+        work = Path(tempfile.mkdtemp(prefix="demo-", dir=store.data_dir))
         try:
             config = Path(shutil.copy(source / CONFIG_NAME, work / STORED_NAME["config"]))
             weights = Path(shutil.copy(source / WEIGHTS_NAME, work / STORED_NAME["weights"]))

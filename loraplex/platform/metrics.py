@@ -32,11 +32,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter, Request
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
-from starlette.responses import Response
 
 from loraplex.engine.client import EngineClient
 from loraplex.platform.request_log import RequestRecord
@@ -303,15 +301,3 @@ class EngineCollector:
                 resident.add_metric([tier], float(self._stats[key]))
         if include_all or resident.samples:
             yield resident
-
-
-# ---- GET /metrics ------------------------------------------------------------------------------
-
-router = APIRouter()
-
-
-@router.get("/metrics", include_in_schema=False)
-async def metrics(request: Request) -> Response:
-    """The Prometheus text (the ``metrics`` audience: the metrics token or the operator)."""
-    registry: PlatformMetrics = request.app.state.metrics
-    return Response(await registry.scrape(), media_type=CONTENT_TYPE_LATEST)

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
-from loraplex.engine.client import AdapterInfo
+from loraplex.engine.client import AdapterInfo, EngineClient
 from loraplex.platform.auth import Caller
 from loraplex.platform.errors import APIError, model_not_found
 
@@ -55,14 +57,38 @@ class TenantModels(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class ServedName:
+    """The base model's name in the API: the operator's ``--served-model-name``, else the
+    model directory's name, which the engine tells once it has started."""
+
+    configured: str | None
+    client: EngineClient
+
+    def __call__(self) -> str:
+        return self.configured or Path(self.client.info.model_dir).name or "model"
+
+
 class ModelResolver:
-    def __init__(self, base_name: str) -> None:
-        self.base_name = base_name  # set before serving (the app's lifespan may set it late)
+    def __init__(
+        self,
+        base_name: Callable[[], str],
+        *,
+        tenant_models: TenantModels | None = None,
+        share_base_prefix_cache: bool = False,
+    ) -> None:
+        """``tenant_models``: the registry, on the platform; ``share_base_prefix_cache``:
+        tenants' base-model requests share KV blocks."""
+        self._base_name = base_name
         self._created = int(time.time())
         self._adapters: dict[str, ModelEntry] = {}
         self.lock = asyncio.Lock()  # held while the adapter set changes (load / unload)
-        self.tenant_models: TenantModels | None = None  # set when tenancy is installed
-        self.share_base_prefix_cache = False  # tenants' base-model requests share KV blocks
+        self.tenant_models = tenant_models
+        self.share_base_prefix_cache = share_base_prefix_cache
+
+    @property
+    def base_name(self) -> str:
+        return self._base_name()
 
     async def lookup(self, caller: Caller, name: str) -> ResolvedModel:
         """The model ``name`` as ``caller`` may use it; 404 ``model_not_found`` otherwise."""

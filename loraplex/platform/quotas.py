@@ -43,7 +43,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
 from sqlalchemy.orm import Session
 
 from loraplex.platform.auth import Caller
@@ -51,7 +50,6 @@ from loraplex.platform.db.database import Database
 from loraplex.platform.db.models import Tenant
 from loraplex.platform.errors import APIError, rate_limited
 from loraplex.platform.request_log import RequestRecord
-from loraplex.platform.tenancy import Platform
 
 logger = logging.getLogger(__name__)
 
@@ -337,19 +335,3 @@ def estimate_tokens(
         room = max(0, max_model_len - len(prompt))
         total += len(prompt) + n * (room if max_tokens is None else min(max_tokens, room))
     return total
-
-
-def get_quotas(request: Request) -> QuotaManager | None:
-    """The app's quota manager; None on a server without tenancy."""
-    quotas = getattr(request.app.state, "quotas", None)
-    return quotas if isinstance(quotas, QuotaManager) else None
-
-
-def install(app: FastAPI, platform: Platform) -> None:
-    """``app.state.quotas``: the quota manager, reading limits from ``platform.db``; its
-    ``observe`` joins the request log's observers (``app.state.request_observers``)."""
-    quotas = QuotaManager(platform.db)
-    app.state.quotas = quotas
-    observers = getattr(app.state, "request_observers", None)
-    if isinstance(observers, list):
-        observers.append(quotas.observe)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Callable
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from sqlalchemy.orm import Session
 
 from loraplex.platform.admin_token import TOKEN_PREFIX, AdminCredential
@@ -31,7 +31,6 @@ from loraplex.platform.db.models import utcnow
 from loraplex.platform.db.scope import find_key
 from loraplex.platform.errors import INVALID_REQUEST, PERMISSION, APIError
 from loraplex.platform.keys import hash_secret, parse_key, secret_matches
-from loraplex.platform.tenancy import Platform
 
 ADMIN_CALLER = Caller(id="admin", scopes=ALL_SCOPES)
 # A tenant key never carries more than these, whatever its row says.
@@ -134,10 +133,3 @@ class TenantAuthenticator:
             key_id=key.public_id,
             cache_salt=tenant.cache_salt,
         )
-
-
-def install(app: FastAPI, platform: Platform) -> None:
-    """Tenant keys and the admin token replace the single operator key."""
-    authenticator = TenantAuthenticator(platform.db, AdminCredential(platform.settings))
-    app.state.authenticator = authenticator
-    app.state.tenant_auth = authenticator

@@ -1,17 +1,20 @@
 """Tenants and their API keys: create, change, suspend, delete, issue and revoke keys.
 
-Shared by the admin API and the ``loraplex admin`` CLI. Each function works inside the caller's
-session (one transaction) and writes its audit event there. Bad input raises ``APIError`` with a
+Shared by the admin API, the admin UI and the ``loraplex admin`` CLI. Each function works inside
+the caller's session (one transaction) and writes its audit event there; ``TenantService`` adds
+what a change means for the running server (quotas, adapter files). Bad input raises ``APIError`` with a
 message that says what to change; the CLI prints the same message.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import re
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
@@ -22,6 +25,13 @@ from loraplex.platform.db.models import ApiKey, Tenant, utcnow
 from loraplex.platform.db.scope import TenantScope
 from loraplex.platform.errors import NOT_FOUND, APIError
 from loraplex.platform.keys import NewKey, generate_key
+
+if TYPE_CHECKING:
+    from loraplex.platform.db.database import Database
+    from loraplex.platform.quotas import QuotaManager
+    from loraplex.platform.registry.service import Registry
+
+logger = logging.getLogger(__name__)
 
 TENANT_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 TENANT_SCOPES = (SCOPE_INFERENCE, SCOPE_ADAPTERS_WRITE)
@@ -268,3 +278,61 @@ def revoke_key(session: Session, actor: str, tenant: Tenant, public_id: str) -> 
             before=before, after=audit.snapshot(key),
         )  # fmt: skip
     return key
+
+
+# ---- the service: changes with effects beyond their rows -----------------------------------
+
+
+@dataclass(frozen=True)
+class TenantChange:
+    tenant: Tenant  # the row after the change (detached, loaded)
+    changed: bool  # whether any field changed
+
+
+class TenantService:
+    """Tenant changes that reach beyond the database, as one call each: an update commits,
+    then its quotas and status apply from the tenant's next request; a deletion commits, then
+    the tenant's quota state goes and its adapters' files and engine copies with it (the
+    registry's collection). The admin API and the admin UI call these, never the effects."""
+
+    def __init__(self, db: Database, quotas: QuotaManager, registry: Registry) -> None:
+        self.db = db
+        self.quotas = quotas
+        self.registry = registry
+
+    async def update(
+        self,
+        actor: str,
+        name: str,
+        *,
+        display_name: str | None = None,
+        status: str | None = None,
+        quotas: dict[str, int | None] | None = None,
+    ) -> TenantChange:
+        def work(session: Session) -> TenantChange:
+            tenant = require_tenant(session, name)
+            before = audit.snapshot(tenant)
+            update_tenant(
+                session, actor, tenant, display_name=display_name, status=status, quotas=quotas
+            )
+            return TenantChange(tenant, audit.snapshot(tenant) != before)
+
+        change = await self.db.run(work)
+        self.quotas.invalidate(change.tenant.id)
+        return change
+
+    async def delete(self, actor: str, name: str) -> None:
+        """The tenant, its keys, adapters and usage rows (its audit events stay)."""
+
+        def work(session: Session) -> int:
+            tenant = require_tenant(session, name)
+            tenant_id = tenant.id
+            delete_tenant(session, actor, tenant)
+            return tenant_id
+
+        tenant_id = await self.db.run(work)
+        self.quotas.forget(tenant_id)
+        try:  # a failure waits for the next collection: nothing names those files any more
+            await self.registry.collect_garbage()
+        except Exception:
+            logger.exception("removing the adapters of deleted tenant %s failed", name)

@@ -26,20 +26,18 @@ import asyncio
 import datetime as dt
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
-from contextlib import asynccontextmanager, suppress
+from collections.abc import Callable, Iterable
+from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Query, Request
 from pydantic import BaseModel
 from sqlalchemy import Date, Select, and_, case, delete, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
-from loraplex.platform.access import TenantCaller
 from loraplex.platform.db.database import Database
 from loraplex.platform.db.models import (
     Adapter,
@@ -53,7 +51,6 @@ from loraplex.platform.db.models import (
 from loraplex.platform.db.scope import TenantScope
 from loraplex.platform.errors import APIError
 from loraplex.platform.request_log import CLIENT_CLOSED, RequestRecord
-from loraplex.platform.tenancy import Platform
 
 logger = logging.getLogger(__name__)
 
@@ -581,66 +578,3 @@ def all_usage(session: Session, days: DateRange) -> UsageReport:
         return {tid: name for tid, name in rows.tuples()}
 
     return _report([list(raw), list(daily)], days, names)
-
-
-# ---- the API -----------------------------------------------------------------------------------
-
-router = APIRouter()  # audience "tenant": a tenant's own usage
-
-
-def _platform(request: Request) -> Platform:
-    platform: Platform = request.app.state.platform
-    return platform
-
-
-@router.get("/v1/usage", response_model=UsageReport)
-async def get_usage(
-    request: Request,
-    start: str | None = Query(None, description="first UTC day, YYYY-MM-DD"),
-    end: str | None = Query(None, description="last UTC day, YYYY-MM-DD (included)"),
-    *,
-    caller: TenantCaller,
-) -> UsageReport:
-    """The caller's tenant's usage by day and model (its own rows only). The operator reads
-    every tenant's under /admin/api/usage and /admin/api/tenants/{tenant}/usage."""
-    days = parse_range(start, end)
-    assert caller.tenant_id is not None  # the tenant audience
-    tenant_id = int(caller.tenant_id)
-    recorder = get_recorder(request)
-    if recorder is not None:  # read your own writes: the rows still buffered count too
-        await recorder.flush()
-    return await _platform(request).db.run(partial(tenant_usage, tenant_id=tenant_id, days=days))
-
-
-def get_recorder(request: Request) -> UsageRecorder | None:
-    recorder = getattr(request.app.state, "usage", None)
-    return recorder if isinstance(recorder, UsageRecorder) else None
-
-
-def install(app: FastAPI, platform: Platform) -> None:
-    """``app.state.usage`` (the recorder, whose ``observe`` joins the request log's observers,
-    ``app.state.request_observers``), and in the app's lifespan the retention task (started)
-    and a last flush (at shutdown). The app mounts ``router`` (``GET /v1/usage``)."""
-    recorder = UsageRecorder(platform.db)
-    app.state.usage = recorder
-    observers = getattr(app.state, "request_observers", None)
-    if isinstance(observers, list):
-        observers.append(recorder.observe)
-    inner = app.router.lifespan_context
-    retention_days = platform.settings.usage_retention_days
-
-    @asynccontextmanager
-    async def lifespan(a: FastAPI) -> AsyncIterator[Any]:
-        task = asyncio.create_task(
-            retention_loop(platform.db, retention_days, RETENTION_INTERVAL_S),
-            name="usage-retention",
-        )
-        try:
-            async with inner(a) as state:
-                yield state
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await recorder.close()
-
-    app.router.lifespan_context = lifespan

@@ -182,7 +182,8 @@ async def _open_platform(args: argparse.Namespace) -> Any:
 
     from loraplex.platform import admin_token
     from loraplex.platform.db import migrate
-    from loraplex.platform.tenancy import Platform, TenancySettings
+    from loraplex.platform.settings import TenancySettings
+    from loraplex.platform.store import Store
 
     overrides: dict[str, Any] = {
         "data_dir": args.data_dir,
@@ -192,13 +193,13 @@ async def _open_platform(args: argparse.Namespace) -> Any:
     if args.api_key is not None and not os.environ.get(ENV_PREFIX + "ADMIN_TOKEN"):
         overrides["admin_token"] = args.api_key
     settings = TenancySettings(**{k: v for k, v in overrides.items() if v is not None})
-    platform = Platform.open(settings)
+    store = Store.open(settings)
     await anyio.to_thread.run_sync(
-        lambda: migrate.prepare(platform.db.engine, run_migrations=args.migrate)
+        lambda: migrate.prepare(store.db.engine, run_migrations=args.migrate)
     )
-    start = await anyio.to_thread.run_sync(admin_token.ensure, platform.db, platform.settings)
+    start = await anyio.to_thread.run_sync(admin_token.ensure, store.db, store.settings)
     print(start.message(), file=sys.stderr, flush=True)
-    return platform
+    return store
 
 
 class _Server:
@@ -228,7 +229,8 @@ async def _serve(args: argparse.Namespace, config: Any, model_dir: str) -> int:
     from loraplex.engine.client import EngineClient
     from loraplex.engine.inproc_client import InprocEngineClient
     from loraplex.engine.proc_client import ProcEngineClient
-    from loraplex.platform.app import create_app, load_settings
+    from loraplex.platform.settings import load_settings
+    from loraplex.server import create_app
 
     start = time.perf_counter()
     client: EngineClient = (
@@ -245,9 +247,9 @@ async def _serve(args: argparse.Namespace, config: Any, model_dir: str) -> int:
             max_request_bytes=args.max_request_bytes,
             default_max_tokens=args.default_max_tokens,
         )
-        platform = None if args.no_platform else await _open_platform(args)
-        app = create_app(client, settings, platform=platform)
-        serving = app.state.serving
+        store = None if args.no_platform else await _open_platform(args)
+        app = create_app(client, settings, store=store)
+        serving = app.platform.serving
         for name, path in args.lora_modules:
             info = await client.add_lora(name, path, pinned=True)
             serving.resolver.add_adapter(info)
@@ -259,16 +261,16 @@ async def _serve(args: argparse.Namespace, config: Any, model_dir: str) -> int:
             file=sys.stderr,
             flush=True,
         )
-        if platform is not None:
+        if store is not None:
             print(
-                f"loraplex: admin UI on {base_url}/admin; database {platform.db.engine.url!r}",
+                f"loraplex: admin UI on {base_url}/admin; database {store.db.engine.url!r}",
                 file=sys.stderr,
                 flush=True,
             )
-        if args.demo and platform is not None:
+        if args.demo and store is not None:
             from loraplex.platform.demo import demo_message, setup_demo
 
-            demo = await setup_demo(app, platform)
+            demo = await setup_demo(app.platform)
             print(demo_message(demo, base_url, serving.resolver.base_name), flush=True)
         server = _Server(
             uvicorn.Config(

@@ -1,7 +1,8 @@
 """The admin web UI: server-rendered pages under ``/admin`` (JSON admin API: ``/admin/api``).
 
-``install_webui(app, platform)`` installs the UI's state (``app.state.webui``) and mounts the
-static files (``/admin/static``); the app mounts ``ROUTERS`` (the pages). Pages are listed once, in ``PAGES``: each module there has a
+``build_webui(platform)`` makes the UI's state (the application holds it), ``attach_webui(app)``
+adds its error pages and static files (``/admin/static``), and the application mounts
+``ROUTERS`` (the pages) with the rest of its routes. Pages are listed once, in ``PAGES``: each module there has a
 ``router`` and a ``NAV`` item (or None), and the navigation is built from that list, so a new
 page is one module plus one line here.
 """
@@ -20,7 +21,7 @@ from starlette.types import Scope
 
 from loraplex.platform import access
 from loraplex.platform.access import Audience
-from loraplex.platform.tenancy import Platform
+from loraplex.platform.components import Platform
 from loraplex.webui import (
     adapters,
     audit,
@@ -54,7 +55,8 @@ __all__ = [
     "SESSION_GUARDS",
     "WebUI",
     "WebUISettings",
-    "install_webui",
+    "attach_webui",
+    "build_webui",
     "load_webui_settings",
 ]
 
@@ -74,17 +76,16 @@ def load_webui_settings(**overrides: Any) -> WebUISettings:
     return WebUISettings(**overrides)
 
 
-def install_webui(app: FastAPI, platform: Platform, settings: WebUISettings | None = None) -> WebUI:
-    """Mount the admin UI on ``app``; returns its state (also ``app.state.webui``).
-
-    ``webui.recorder.observe_record`` is a ``RequestLogMiddleware`` observer feeding the
-    Overview's charts; when the app exposes its observer list as ``app.state.request_observers``
-    (before it starts serving), it is added there.
-    """
+def build_webui(platform: Platform, settings: WebUISettings | None = None) -> WebUI:
+    """The admin UI's state for ``platform`` (which must run the multi-tenant platform).
+    ``webui.recorder.observe_record`` is a request-log observer feeding the Overview's charts:
+    the application adds it to the request log's observers."""
+    if platform.tenancy is None:
+        raise ValueError("the admin UI manages the multi-tenant platform; build it with a Store")
     settings = settings or load_webui_settings()
     recorder = LiveRecorder()
     nav: list[NavItem] = [page.NAV for page in PAGES if getattr(page, "NAV", None) is not None]
-    webui = WebUI(
+    return WebUI(
         platform=platform,
         settings=settings,
         sessions=SessionStore(
@@ -95,16 +96,16 @@ def install_webui(app: FastAPI, platform: Platform, settings: WebUISettings | No
             max_failures=settings.login_max_failures, window_s=settings.login_window_seconds
         ),
         recorder=recorder,
-        monitor=EngineMonitor(app.state.serving.client, recorder),
+        monitor=EngineMonitor(platform.client, recorder),
         templates=make_templates(),
         nav=nav,
         static_versions=static_versions(),
     )
-    app.state.webui = webui
-    observers = getattr(app.state, "request_observers", None)
-    if isinstance(observers, list):
-        observers.append(recorder.observe_record)
 
+
+def attach_webui(app: FastAPI) -> None:
+    """The admin UI's error pages and static files on ``app`` (its routes are ``ROUTERS``,
+    mounted with the application's others)."""
     app.add_exception_handler(LoginRequired, _login_required)
     app.add_exception_handler(Refused, _refused)
     api_http_errors = app.exception_handlers[StarletteHTTPException]
@@ -129,7 +130,6 @@ def install_webui(app: FastAPI, platform: Platform, settings: WebUISettings | No
 
     app.add_exception_handler(StarletteHTTPException, http_error)
     access.mount_public_files(app, "/admin/static", _StaticFiles(directory=STATIC_DIR), "webui")
-    return webui
 
 
 def _is_page_path(path: str) -> bool:

@@ -86,8 +86,7 @@ router = APIRouter(include_in_schema=False)
 
 
 def _registry(request: Request) -> Registry:
-    registry: Registry = request.app.state.registry
-    return registry
+    return webui_of(request).tenancy.registry
 
 
 def list_path(tenant: str = "", **params: str) -> str:
@@ -137,7 +136,7 @@ class Residency:
 
 
 async def read_residency(request: Request) -> Residency:
-    client = request.app.state.serving.client
+    client = webui_of(request).platform.client
     if not client.healthy:
         return Residency(None, error="The engine is not running.")
     try:
@@ -245,7 +244,7 @@ async def adapter_list(request: Request, admin: SignedIn) -> Response:
         rows, pager = _version_page(session, tenant_id, number)
         return rows, pager, None
 
-    rows, pager, error = await webui_of(request).platform.db.run(read)
+    rows, pager, error = await webui_of(request).store.db.run(read)
     residency = await read_residency(request)
     shown = []
     for row in rows:
@@ -292,14 +291,14 @@ def _upload_page(
         tenants=tenants,
         max_bytes=fmt_bytes(registry.settings.max_adapter_bytes),
         max_rank=registry.max_lora_rank,
-        base_model=registry.resolver.base_name,
+        base_model=registry.base_name(),
     )
 
 
 @router.get(UPLOAD)
 async def upload_form(request: Request, admin: SignedIn) -> Response:
     tenant = request.query_params.get("tenant", "").strip()[:64]
-    tenants = await webui_of(request).platform.db.run(tenant_choices)
+    tenants = await webui_of(request).store.db.run(tenant_choices)
     values = {"tenant": tenant, "name": "", "description": ""}
     return _upload_page(request, admin, values, tenants)
 
@@ -430,7 +429,7 @@ async def upload(
 ) -> Response:
     admin, leading, prefix, chunks = form.admin, form.leading, form.prefix, form.chunks
     registry = _registry(request)
-    platform = webui_of(request).platform
+    store = webui_of(request).store
     limit = registry.settings.max_adapter_bytes
     fields = dict(reversed(leading))  # the first value of a name wins, as in the receiver
     values = {k: fields.get(k, "").strip() for k in UPLOAD_FIELDS}
@@ -448,7 +447,7 @@ async def upload(
             received.fields["name"] = values["name"]
             if not values["description"]:
                 received.fields.pop("description", None)  # blank: keep the adapter's description
-            tenant = await platform.db.run(lambda s: tenant_service.get_tenant(s, values["tenant"]))
+            tenant = await store.db.run(lambda s: tenant_service.get_tenant(s, values["tenant"]))
             if tenant is None:
                 raise APIError(
                     404,
@@ -460,7 +459,7 @@ async def upload(
     except APIError as exc:
         errors = FormErrors()
         errors[exc.param if exc.param in UPLOAD_FIELDS else "file"] = exc.message
-        tenants = await platform.db.run(tenant_choices)
+        tenants = await store.db.run(tenant_choices)
         return _upload_page(request, admin, values, tenants, errors, status=exc.status)
     finally:
         registry.storage.discard(work_dir)
@@ -497,7 +496,7 @@ async def _version_or_404(request: Request, tenant: str, ref: str) -> tuple[int,
         )
         return row.id, _row(*found.tuple()), siblings == 1
 
-    found = await webui_of(request).platform.db.run(read)
+    found = await webui_of(request).store.db.run(read)
     if found is None:
         raise not_found(f"{tenant[:64]} has no adapter version {ref[:80]!r}.", ("Adapters", LIST))
     return found

@@ -164,7 +164,7 @@ async def audit_log(request: Request, admin: SignedIn) -> Response:
             found = found[:PAGE_SIZE]
             return [_row(e, now) for e in found], found[-1].id if more else None
 
-        rows, older = await webui_of(request).platform.db.run(read)
+        rows, older = await webui_of(request).store.db.run(read)
     kept = [(k, v) for k, v in values.items() if v]
     return render(
         request,

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar, cast
 from urllib.parse import urlencode
 
 import jinja2
@@ -32,11 +32,18 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from starlette.datastructures import FormData
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
+from loraplex.platform.components import Platform, Tenancy
 from loraplex.platform.errors import INVALID_REQUEST, APIError
-from loraplex.platform.tenancy import Platform
+from loraplex.platform.store import Store
 from loraplex.webui.credentials import credential_version
 from loraplex.webui.live import EngineMonitor, LiveRecorder
-from loraplex.webui.sessions import FlashLevel, LoginThrottle, Session, SessionStore
+from loraplex.webui.sessions import (
+    FlashLevel,
+    LoginThrottle,
+    OneTimeSecrets,
+    Session,
+    SessionStore,
+)
 
 PACKAGE_DIR = Path(__file__).parent
 TEMPLATES_DIR = PACKAGE_DIR / "templates"
@@ -90,7 +97,9 @@ class NavItem:
 
 @dataclass
 class WebUI:
-    """The admin UI's state, on ``app.state.webui``."""
+    """The admin UI's state (``loraplex.server.LoraplexApp.webui``): the platform it manages,
+    its own settings, sessions and sign-in throttle, the live charts' recorder and the engine
+    monitor, the templates, the navigation, and the new keys' secrets shown once."""
 
     platform: Platform
     settings: WebUISettings
@@ -101,10 +110,27 @@ class WebUI:
     templates: jinja2.Environment
     nav: list[NavItem]
     static_versions: dict[str, str]
+    new_keys: OneTimeSecrets = field(default_factory=OneTimeSecrets)
+
+    @property
+    def tenancy(self) -> Tenancy:
+        assert self.platform.tenancy is not None, "the admin UI runs on the platform only"
+        return self.platform.tenancy
+
+    @property
+    def store(self) -> Store:
+        return self.tenancy.store
+
+
+class HasWebUI(Protocol):
+    """The application: ``loraplex.server.LoraplexApp``."""
+
+    webui: WebUI | None
 
 
 def webui_of(request: Request) -> WebUI:
-    webui: WebUI = request.app.state.webui
+    webui = cast(HasWebUI, request.app).webui
+    assert webui is not None, "the admin UI's routes are mounted only with the UI"
     return webui
 
 
@@ -335,8 +361,8 @@ async def current_session(request: Request) -> Session | None:
         return None
     now = webui.sessions.now()
     if now - session.verified_at >= CREDENTIAL_RECHECK_S:
-        platform = webui.platform
-        version = await platform.db.run(lambda s: credential_version(platform, s))
+        store = webui.store
+        version = await store.db.run(lambda s: credential_version(store, s))
         if version != session.credential_version:
             webui.sessions.delete(session_id)
             return None

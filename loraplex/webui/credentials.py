@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from loraplex.platform import admin_token
 from loraplex.platform.keys import parse_key
-from loraplex.platform.tenancy import Platform
+from loraplex.platform.store import Store
 
 MAX_TOKEN_CHARS = 512
 
@@ -24,22 +24,22 @@ def looks_like_tenant_key(candidate: str) -> bool:
     return parse_key(candidate.strip()) is not None
 
 
-def _current_digest(platform: Platform, session: Session) -> str | None:
-    configured = admin_token.configured_token(platform.settings)
+def _current_digest(store: Store, session: Session) -> str | None:
+    configured = admin_token.configured_token(store.settings)
     if configured is not None:
         return admin_token.token_sha256(configured)
     return admin_token.stored_digest(session)
 
 
-def credential_version(platform: Platform, session: Session) -> str | None:
+def credential_version(store: Store, session: Session) -> str | None:
     """An opaque value that changes whenever the admin token does; None while there is none."""
-    digest = _current_digest(platform, session)
+    digest = _current_digest(store, session)
     if digest is None:
         return None
     return hashlib.sha256(f"webui-session:{digest}".encode()).hexdigest()[:32]
 
 
-def verify_admin_token(platform: Platform, session: Session, candidate: str) -> str | None:
+def verify_admin_token(store: Store, session: Session, candidate: str) -> str | None:
     """The ``credential_version`` when ``candidate`` is the admin token, else None.
 
     Runs in a worker thread (it may read the database). A tenant API key never matches.
@@ -47,7 +47,7 @@ def verify_admin_token(platform: Platform, session: Session, candidate: str) -> 
     candidate = candidate.strip()
     if not candidate or len(candidate) > MAX_TOKEN_CHARS or looks_like_tenant_key(candidate):
         return None
-    digest = _current_digest(platform, session)
+    digest = _current_digest(store, session)
     if digest is None or not admin_token.digest_matches(candidate, digest):
         return None
-    return credential_version(platform, session)
+    return credential_version(store, session)

@@ -17,10 +17,7 @@ Routes::
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
-import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlencode
 
@@ -46,7 +43,7 @@ from loraplex.webui.context import (
     safe_next,
     webui_of,
 )
-from loraplex.webui.sessions import Session as WebSession
+from loraplex.webui.sessions import OneTimeSecrets
 from loraplex.webui.views import (
     WEB_ACTOR,
     FormErrors,
@@ -74,46 +71,8 @@ router = APIRouter(include_in_schema=False)
 # ---- the secret, between the POST and the page that shows it ---------------------------------
 
 
-class OneTimeSecrets:
-    """Tokens of just-created keys, each readable once, by the session that created it, within
-    ``ttl_s``; at most ``max_items`` are kept (the oldest go first)."""
-
-    def __init__(
-        self,
-        *,
-        ttl_s: float = 600.0,
-        max_items: int = 1000,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.ttl_s = ttl_s
-        self.max_items = max_items
-        self._clock = clock
-        self._items: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
-
-    @staticmethod
-    def owner(session: WebSession) -> str:
-        # The session's CSRF token is fixed for its life and never leaves it: a stable handle.
-        return hashlib.sha256(session.csrf_token.encode()).hexdigest()
-
-    def put(self, session: WebSession, public_id: str, token: str) -> None:
-        self._items[(self.owner(session), public_id)] = (token, self._clock() + self.ttl_s)
-        while len(self._items) > self.max_items:
-            self._items.popitem(last=False)
-
-    def take(self, session: WebSession, public_id: str) -> str | None:
-        item = self._items.pop((self.owner(session), public_id), None)
-        if item is None or item[1] < self._clock():
-            return None
-        return item[0]
-
-
 def new_secrets(request: Request) -> OneTimeSecrets:
-    """The app's ``OneTimeSecrets`` (made on first use, kept on ``app.state``)."""
-    store = getattr(request.app.state, "webui_new_keys", None)
-    if not isinstance(store, OneTimeSecrets):
-        store = OneTimeSecrets()
-        request.app.state.webui_new_keys = store
-    return store
+    return webui_of(request).new_keys
 
 
 # ---- rows --------------------------------------------------------------------------------------
@@ -206,7 +165,7 @@ async def key_list(request: Request, admin: SignedIn) -> Response:
         older = found[-1][0].id if more else None
         return key_rows(found, now), older, None
 
-    rows, older, error = await webui_of(request).platform.db.run(read)
+    rows, older, error = await webui_of(request).store.db.run(read)
     filters = {"tenant": tenant_name, "status": status}
     return render(
         request,
@@ -308,7 +267,7 @@ async def create_key(request: Request, admin: FormPost) -> Response:
         return key.public_id, new.token
 
     try:
-        public_id, token = await webui_of(request).platform.db.run(create)
+        public_id, token = await webui_of(request).store.db.run(create)
     except APIError as error:
         errors.add_api_error(error)
         return _form_page(request, admin, values, errors, status=error.status)
@@ -331,7 +290,7 @@ async def key_created(request: Request, public_id: str, admin: SignedIn) -> Resp
         key, tenant = _key_or_404(session, public_id)
         return key_rows([(key, tenant.name)], now)[0]
 
-    key = await webui_of(request).platform.db.run(read)
+    key = await webui_of(request).store.db.run(read)
     token = new_secrets(request).take(admin.session, public_id)
     return render(
         request, "keys_created.html", admin=admin, title="API key created", key=key, token=token
@@ -361,7 +320,7 @@ async def confirm_revoke(request: Request, public_id: str, admin: SignedIn) -> R
         key, tenant = _key_or_404(session, public_id)
         return key_rows([(key, tenant.name)], now)[0]
 
-    key = await webui_of(request).platform.db.run(read)
+    key = await webui_of(request).store.db.run(read)
     return _revoke_page(request, admin, key, _back(request.query_params.get("back"), key["tenant"]))
 
 
@@ -373,7 +332,7 @@ async def revoke_key(request: Request, public_id: str, admin: FormPost) -> Respo
         service.revoke_key(session, WEB_ACTOR, tenant, public_id)
         return tenant.name, display_key(key.public_id, key.last4), was_revoked
 
-    tenant, shown, was_revoked = await webui_of(request).platform.db.run(revoke)
+    tenant, shown, was_revoked = await webui_of(request).store.db.run(revoke)
     if was_revoked:
         admin.flash("info", f"Key {shown} was already revoked.")
     else:

@@ -109,8 +109,8 @@ async def login(request: Request) -> Response:
     # every wrong guess while throttled still costs the guesser a 429.
     token_value = form.get("token")
     candidate = token_value if isinstance(token_value, str) else ""
-    platform = webui.platform
-    version = await platform.db.run(lambda s: verify_admin_token(platform, s, candidate))
+    store = webui.store
+    version = await store.db.run(lambda s: verify_admin_token(store, s, candidate))
     if version is None:
         throttled = webui.throttle.retry_after(client)
         webui.throttle.failed(client)

@@ -50,7 +50,6 @@ from loraplex.platform.openai.params import sentence
 from loraplex.platform.openai.protocol import ChatMessage
 from loraplex.platform.openai.serving import OpenAIServing
 from loraplex.platform.request_log import CLIENT_CLOSED, RequestRecord
-from loraplex.platform.usage import get_recorder
 from loraplex.sampling_params import SamplingParams
 from loraplex.webui.adapters import tenant_choices
 from loraplex.webui.context import (
@@ -82,8 +81,7 @@ router = APIRouter(include_in_schema=False)
 
 
 def _serving(request: Request) -> OpenAIServing:
-    serving: OpenAIServing = request.app.state.serving
-    return serving
+    return webui_of(request).platform.serving
 
 
 # ---- the form -------------------------------------------------------------------------------
@@ -150,7 +148,7 @@ async def caller_for(request: Request, tenant: str) -> Caller:
         row = tenant_service.get_tenant(session, tenant)
         return None if row is None else (row.id, row.name, row.cache_salt)
 
-    found = await webui_of(request).platform.db.run(read)
+    found = await webui_of(request).store.db.run(read)
     if found is None:
         raise APIError(404, f"There is no tenant named {tenant[:64]!r}.", param="tenant")
     tenant_id, name, salt = found
@@ -263,9 +261,7 @@ def finish_run(request: Request, run: Run, status: int) -> None:
     record.cached_tokens = gen.usage.cached_tokens
     record.first_token_time = gen.first_token_time
     record.generated = True
-    recorder = get_recorder(request)
-    if recorder is not None:
-        recorder.record_request(record)
+    webui_of(request).tenancy.usage.record_request(record)
 
 
 @dataclass
@@ -360,7 +356,7 @@ async def _page(
         status = max(status, exc.status)
     if not values["model"] and models:
         values = {**values, "model": models[0][0]}
-    tenants = await webui_of(request).platform.db.run(tenant_choices)
+    tenants = await webui_of(request).store.db.run(tenant_choices)
     return render(
         request,
         "playground.html",

@@ -178,3 +178,36 @@ class LoginThrottle:
 
     def succeeded(self, client: str) -> None:
         self._failures.pop(client, None)
+
+
+class OneTimeSecrets:
+    """Tokens of just-created keys, each readable once, by the session that created it, within
+    ``ttl_s``; at most ``max_items`` are kept (the oldest go first)."""
+
+    def __init__(
+        self,
+        *,
+        ttl_s: float = 600.0,
+        max_items: int = 1000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ttl_s = ttl_s
+        self.max_items = max_items
+        self._clock = clock
+        self._items: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
+
+    @staticmethod
+    def owner(session: Session) -> str:
+        # The session's CSRF token is fixed for its life and never leaves it: a stable handle.
+        return hashlib.sha256(session.csrf_token.encode()).hexdigest()
+
+    def put(self, session: Session, public_id: str, token: str) -> None:
+        self._items[(self.owner(session), public_id)] = (token, self._clock() + self.ttl_s)
+        while len(self._items) > self.max_items:
+            self._items.popitem(last=False)
+
+    def take(self, session: Session, public_id: str) -> str | None:
+        item = self._items.pop((self.owner(session), public_id), None)
+        if item is None or item[1] < self._clock():
+            return None
+        return item[0]

@@ -32,8 +32,17 @@ from loraplex.platform import usage
 from loraplex.platform.db.models import Adapter, ApiKey, Tenant, utcnow
 from loraplex.platform.db.scope import TenantScope
 from loraplex.platform.errors import APIError
-from loraplex.platform.tenancy import tenant_deleted, tenant_limits_changed
-from loraplex.webui.context import Admin, FormPost, NavItem, SignedIn, redirect, render, webui_of
+from loraplex.platform.tenants import TenantService
+from loraplex.webui.context import (
+    Admin,
+    FormPost,
+    NavItem,
+    Refused,
+    SignedIn,
+    redirect,
+    render,
+    webui_of,
+)
 from loraplex.webui.keys import key_rows
 from loraplex.webui.views import (
     QUOTA_LABELS,
@@ -64,11 +73,20 @@ def tenant_path(name: str, suffix: str = "") -> str:
     return f"{LIST}/{name}{suffix}"
 
 
+def _missing(name: str) -> Refused:
+    return not_found(f"There is no tenant named {name[:64]!r}.", ("All tenants", LIST))
+
+
 def _tenant_or_404(session: Session, name: str) -> Tenant:
     tenant = service.get_tenant(session, name)
     if tenant is None:
-        raise not_found(f"There is no tenant named {name[:64]!r}.", ("All tenants", LIST))
+        raise _missing(name)
     return tenant
+
+
+def _tenants(request: Request) -> TenantService:
+    """Changes that reach beyond the rows (quotas, adapter files) go through the service."""
+    return webui_of(request).tenancy.tenants
 
 
 def _quotas(tenant: Tenant) -> list[tuple[str, str]]:
@@ -120,7 +138,7 @@ async def tenant_list(request: Request, admin: SignedIn) -> Response:
             )
         return [_list_row(t) for t in rows], pager
 
-    rows, pager = await webui_of(request).platform.db.run(read)
+    rows, pager = await webui_of(request).store.db.run(read)
     params = [("q", search)]
     return render(
         request,
@@ -201,7 +219,7 @@ async def create_tenant(request: Request, admin: FormPost) -> Response:
             )
 
         try:
-            await webui_of(request).platform.db.run(create)
+            await webui_of(request).store.db.run(create)
         except APIError as error:
             errors.add_api_error(error, "name")
             return _form_page(request, admin, mode="create", values=values, errors=errors,
@@ -228,9 +246,7 @@ class AdapterRow:
 
 async def _adapter_rows(request: Request, tenant_id: int) -> list[AdapterRow] | None:
     """The tenant's adapter versions, through the registry (None on a server without one)."""
-    registry = getattr(request.app.state, "registry", None)
-    if registry is None or not hasattr(registry, "list_adapters"):
-        return None
+    registry = webui_of(request).tenancy.registry
     rows = []
     for adapter in await registry.list_adapters(tenant_id):
         for v in reversed(adapter.versions):  # newest first
@@ -300,7 +316,7 @@ async def tenant_page(request: Request, name: str, admin: SignedIn) -> Response:
             "usage": _usage_summary(session, tenant.id),
         }
 
-    tenant = await webui_of(request).platform.db.run(read)
+    tenant = await webui_of(request).store.db.run(read)
     adapters = await _adapter_rows(request, tenant["id"])
     return render(
         request,
@@ -321,7 +337,7 @@ async def edit_tenant(request: Request, name: str, admin: SignedIn) -> Response:
     def read(session: Session) -> dict[str, str]:
         return _form_values(_tenant_or_404(session, name))
 
-    values = await webui_of(request).platform.db.run(read)
+    values = await webui_of(request).store.db.run(read)
     return _form_page(request, admin, mode="edit", values=values, tenant_name=name)
 
 
@@ -335,21 +351,17 @@ async def save_tenant(request: Request, name: str, admin: FormPost) -> Response:
         return _form_page(request, admin, mode="edit", values=values, errors=errors, status=400,
                           tenant_name=name)  # fmt: skip
 
-    def update(session: Session) -> tuple[int, bool]:
-        tenant = _tenant_or_404(session, name)
-        before = _form_values(tenant)
-        service.update_tenant(
-            session, WEB_ACTOR, tenant, display_name=values["display_name"], quotas=quotas
-        )
-        return tenant.id, _form_values(tenant) != before
-
     try:
-        tenant_id, changed = await webui_of(request).platform.db.run(update)
+        change = await _tenants(request).update(
+            WEB_ACTOR, name, display_name=values["display_name"], quotas=quotas
+        )
     except APIError as error:
+        if error.code == "tenant_not_found":
+            raise _missing(name) from None
         errors.add_api_error(error)
         return _form_page(request, admin, mode="edit", values=values, errors=errors,
                           status=error.status, tenant_name=name)  # fmt: skip
-    tenant_limits_changed(request.app, tenant_id)
+    changed = change.changed
     admin.flash("success" if changed else "info", "Saved." if changed else "Nothing changed.")
     return redirect(request, tenant_path(name))
 
@@ -361,12 +373,12 @@ async def set_status(request: Request, name: str, admin: FormPost) -> Response:
         admin.flash("error", "Choose Suspend or Resume on the tenant's page.")
         return redirect(request, tenant_path(name))
 
-    def update(session: Session) -> int:
-        tenant = _tenant_or_404(session, name)
-        service.update_tenant(session, WEB_ACTOR, tenant, status=status)
-        return tenant.id
-
-    tenant_limits_changed(request.app, await webui_of(request).platform.db.run(update))
+    try:
+        await _tenants(request).update(WEB_ACTOR, name, status=status)
+    except APIError as error:
+        if error.code == "tenant_not_found":
+            raise _missing(name) from None
+        raise
     if status == "suspended":
         message = f"{name} is suspended: its API keys are refused from their next request."
     else:
@@ -408,25 +420,24 @@ async def confirm_delete(request: Request, name: str, admin: SignedIn) -> Respon
     def read(session: Session) -> dict[str, Any]:
         return _delete_facts(session, _tenant_or_404(session, name))
 
-    return _delete_page(request, admin, await webui_of(request).platform.db.run(read))
+    return _delete_page(request, admin, await webui_of(request).store.db.run(read))
 
 
 @router.post(LIST + "/{name}/delete")
 async def delete_tenant(request: Request, name: str, admin: FormPost) -> Response:
-    confirmed = admin.field("confirm").strip() == name
+    if admin.field("confirm").strip() != name:
 
-    def delete(session: Session) -> tuple[int, dict[str, Any] | None]:
-        tenant = _tenant_or_404(session, name)
-        if not confirmed:
-            return tenant.id, _delete_facts(session, tenant)
-        tenant_id = tenant.id
-        service.delete_tenant(session, WEB_ACTOR, tenant)
-        return tenant_id, None
+        def read(session: Session) -> dict[str, Any]:
+            return _delete_facts(session, _tenant_or_404(session, name))
 
-    tenant_id, unconfirmed = await webui_of(request).platform.db.run(delete)
-    if unconfirmed is not None:
+        facts = await webui_of(request).store.db.run(read)
         error = f"Type the tenant's name, {name}, exactly to confirm; nothing was deleted."
-        return _delete_page(request, admin, unconfirmed, error)
-    await tenant_deleted(request.app, tenant_id)
+        return _delete_page(request, admin, facts, error)
+    try:
+        await _tenants(request).delete(WEB_ACTOR, name)
+    except APIError as error:
+        if error.code == "tenant_not_found":
+            raise _missing(name) from None
+        raise
     admin.flash("success", f"Tenant {name} deleted, with its keys, adapters and usage.")
     return redirect(request, LIST)

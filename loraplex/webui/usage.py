@@ -101,9 +101,7 @@ async def load_usage(request: Request, filters: Filters) -> tuple[Usage | None, 
     except APIError as exc:
         errors.add_api_error(exc, "start")
         return None, errors
-    recorder = reports.get_recorder(request)
-    if recorder is not None:  # read your own writes: the rows still buffered count too
-        await recorder.flush()
+    await webui_of(request).tenancy.usage.flush()  # read your own writes: buffered rows count
 
     def read(session: Session) -> reports.UsageReport | None:
         if not filters.tenant:
@@ -116,7 +114,7 @@ async def load_usage(request: Request, filters: Filters) -> tuple[Usage | None, 
             bucket.tenant = tenant.name
         return report
 
-    report = await webui_of(request).platform.db.run(read)
+    report = await webui_of(request).store.db.run(read)
     if report is None:
         errors["tenant"] = f"There is no tenant named {filters.tenant!r}."
         return None, errors
@@ -222,7 +220,7 @@ def _table_rows(buckets: list[reports.UsageBucket]) -> list[dict[str, Any]]:
 async def usage_page(request: Request, admin: SignedIn) -> Response:
     filters = Filters.of(request)
     usage, errors = await load_usage(request, filters)
-    tenants = await webui_of(request).platform.db.run(tenant_choices)
+    tenants = await webui_of(request).store.db.run(tenant_choices)
     rows: list[dict[str, Any]] = []
     pager = Pager(1, PAGE_SIZE, 0)
     if usage is not None:

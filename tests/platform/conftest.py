@@ -10,7 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from loraplex.platform.app import ServerSettings, create_app
+from loraplex.platform.settings import ServerSettings
+from loraplex.server import create_app
 from tests.conftest import TINY_VOCAB, _write_tokenizer
 from tests.platform.fakes import FakeEngineClient
 

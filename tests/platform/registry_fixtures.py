@@ -239,7 +239,7 @@ def lying_header(weights: bytes) -> bytes:
 
 def disk_state(env: TenancyEnv) -> set[str]:
     """Every file under the data directory except the database's own."""
-    root = env.platform.data_dir
+    root = env.store.data_dir
     return {
         str(p.relative_to(root))
         for p in root.rglob("*")
@@ -253,4 +253,4 @@ def row_counts(env: TenancyEnv) -> tuple[int, int]:
         versions = session.scalar(select(func.count()).select_from(AdapterVersion))
         return int(adapters or 0), int(versions or 0)
 
-    return env.platform.db.call(count)
+    return env.store.db.call(count)

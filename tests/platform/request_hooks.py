@@ -17,13 +17,13 @@ from tests.platform.fakes import FakeEngineClient
 
 def wire(env: Any) -> None:
     """Assert that quotas and usage sit on the request path: the serving layer admits each
-    request through ``app.state.quotas`` (``OpenAIServing._admit``), and the request log's
+    request through the platform's quotas (``OpenAIServing._admit``), and the request log's
     observers finish the quota lease and record usage when the request ends."""
     app = env.app
-    observers = app.state.request_observers
-    assert app.state.quotas.observe in observers, "quotas.install did not add its observer"
-    assert app.state.usage.observe in observers, "usage.install did not add its observer"
-    assert callable(getattr(app.state.serving, "_admit", None)), "serving does not admit"
+    observers = app.platform.observers
+    assert app.platform.tenancy.quotas.observe in observers, "the quotas do not observe requests"
+    assert app.platform.tenancy.usage.observe in observers, "the usage does not observe requests"
+    assert callable(getattr(app.platform.serving, "_admit", None)), "serving does not admit"
 
 
 def count_engine_tokens(fake: FakeEngineClient) -> tuple[Counter[str], Counter[str]]:

@@ -24,10 +24,11 @@ import httpx
 from sqlalchemy.engine import make_url
 
 from loraplex.platform import tenants
-from loraplex.platform.app import ServerSettings, create_app
 from loraplex.platform.db import migrate
 from loraplex.platform.db.database import sqlite_url
-from loraplex.platform.tenancy import Platform, TenancySettings
+from loraplex.platform.settings import ServerSettings, TenancySettings
+from loraplex.platform.store import Store
+from loraplex.server import LoraplexApp, create_app
 from tests.platform.fakes import FakeEngineClient
 
 ADMIN_TOKEN = "lpx-admin-test-token-0123456789abcdef"
@@ -47,27 +48,27 @@ def sqlite_template() -> Path:
     return path
 
 
-def _sqlite_file(platform: Platform) -> Path | None:
-    database = make_url(platform.db.url).database if platform.db.is_sqlite else None
+def _sqlite_file(store: Store) -> Path | None:
+    database = make_url(store.db.url).database if store.db.is_sqlite else None
     if not database or database == ":memory:" or database.startswith("file:"):
         return None
     return Path(database)
 
 
-def prepare_schema(platform: Platform) -> None:
+def prepare_schema(store: Store) -> None:
     """Bring the test database to the newest schema through the migrations."""
-    path = _sqlite_file(platform)
+    path = _sqlite_file(store)
     if path is not None and not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(sqlite_template(), path)
         return
-    migrate.upgrade(platform.db.engine)  # a no-op for a database made from a migrated template
+    migrate.upgrade(store.db.engine)  # a no-op for a database made from a migrated template
 
 
 @dataclass
 class TenancyEnv:
-    app: Any
-    platform: Platform
+    app: LoraplexApp
+    store: Store
     fake: FakeEngineClient
     http: httpx.AsyncClient
 
@@ -83,7 +84,7 @@ class TenancyEnv:
         quotas: tenants.Quotas | None = None,
     ) -> str:
         """Create tenant ``name`` (unless it exists) and a new key for it; returns the key."""
-        with self.platform.db.session() as session:
+        with self.store.db.session() as session:
             tenant = tenants.get_tenant(session, name)
             if tenant is None:
                 tenant = tenants.create_tenant(
@@ -93,25 +94,31 @@ class TenancyEnv:
         return new.token
 
 
-def platform_for(tmp_path: Path, **settings: Any) -> Platform:
+def platform_for(tmp_path: Path, **settings: Any) -> Store:
     # admin_token=None in ``settings``: the platform generates one (see admin_token.ensure).
     tenancy = TenancySettings(
         **{"data_dir": tmp_path / "data", "admin_token": ADMIN_TOKEN, **settings}
     )
-    platform = Platform.open(tenancy)
-    prepare_schema(platform)
-    return platform
+    store = Store.open(tenancy)
+    prepare_schema(store)
+    return store
 
 
 @asynccontextmanager
 async def tenancy_env(
-    tmp_path: Path, fake: FakeEngineClient, tokenizer: Any, **settings: Any
+    tmp_path: Path,
+    fake: FakeEngineClient,
+    tokenizer: Any,
+    *,
+    server: ServerSettings | None = None,
+    **settings: Any,
 ) -> AsyncIterator[TenancyEnv]:
-    platform = platform_for(tmp_path, **settings)
-    app = create_app(fake, ServerSettings(), tokenizer=tokenizer, platform=platform)
+    """``server``: the HTTP server's settings; ``settings``: ``TenancySettings`` fields."""
+    store = platform_for(tmp_path, **settings)
+    app = create_app(fake, server or ServerSettings(), tokenizer=tokenizer, store=store)
     transport = httpx.ASGITransport(app=app)
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
-            yield TenancyEnv(app, platform, fake, http)
+            yield TenancyEnv(app, store, fake, http)
     finally:
-        platform.db.dispose()
+        store.db.dispose()

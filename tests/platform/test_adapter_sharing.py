@@ -31,7 +31,11 @@ async def env(
 
 
 def _chat(model: str, max_tokens: int = 1) -> dict[str, Any]:
-    return {"model": model, "messages": [{"role": "user", "content": "t30"}], "max_tokens": max_tokens}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "t30"}],
+        "max_tokens": max_tokens,
+    }
 
 
 async def _chat_status(http: httpx.AsyncClient, token: str, model: str) -> httpx.Response:
@@ -51,11 +55,13 @@ async def test_an_operator_unload_of_shared_content_leaves_tenants_serving(
     acme, globex = env.tenant("acme"), env.tenant("globex")
     key = (await upload(env.http, acme, "x", a.files())).json()["versions"][0]["content_sha256"]
     assert (await upload(env.http, globex, "y", a.files())).status_code == 201
-    stored = str(env.platform.data_dir / "adapters" / key)
+    stored = str(env.store.data_dir / "adapters" / key)
 
     # The operator's adapter endpoints (today: not on the platform) try the same content.
     h = env.admin_headers
-    await env.http.post("/v1/load_lora_adapter", json={"lora_name": "op", "lora_path": stored}, headers=h)
+    await env.http.post(
+        "/v1/load_lora_adapter", json={"lora_name": "op", "lora_path": stored}, headers=h
+    )
     await env.http.post("/v1/unload_lora_adapter", json={"lora_name": "op"}, headers=h)
     for token, model in ((acme, "x"), (globex, "y")):
         r = await _chat_status(env.http, token, model)
@@ -65,10 +71,10 @@ async def test_an_operator_unload_of_shared_content_leaves_tenants_serving(
     assert (await env.http.delete("/v1/adapters/x", headers=bearer(acme))).status_code == 200
     r = await _chat_status(env.http, globex, "y")
     assert r.status_code == 200, r.text
-    assert key in env.fake.adapters and (env.platform.data_dir / "adapters" / key).is_dir()
+    assert key in env.fake.adapters and (env.store.data_dir / "adapters" / key).is_dir()
 
     assert (await env.http.delete("/v1/adapters/y", headers=bearer(globex))).status_code == 200
-    assert key not in env.fake.adapters and not (env.platform.data_dir / "adapters" / key).exists()
+    assert key not in env.fake.adapters and not (env.store.data_dir / "adapters" / key).exists()
 
 
 async def test_an_operator_copy_released_under_a_tenant_keeps_the_tenants_copy(
@@ -79,7 +85,7 @@ async def test_an_operator_copy_released_under_a_tenant_keeps_the_tenants_copy(
     a = registry_models.adapters["a"]
     acme = env.tenant("acme")
     key = (await upload(env.http, acme, "x", a.files())).json()["versions"][0]["content_sha256"]
-    stored = str(env.platform.data_dir / "adapters" / key)
+    stored = str(env.store.data_dir / "adapters" / key)
     info = await env.fake.add_lora("op", stored)
     assert info.key == key
     await env.fake.remove_lora(key)
@@ -145,7 +151,7 @@ async def test_an_adapter_gone_before_the_engine_runs_it_is_a_404_without_its_ke
     acme = env.tenant("acme")
     r = await upload(env.http, acme, "x", registry_models.adapters["a"].files())
     key = r.json()["versions"][0]["content_sha256"]
-    registry = env.app.state.registry
+    registry = env.app.platform.tenancy.registry
 
     async def resolved_but_not_loaded(*args: Any, **kwargs: Any) -> None:
         env.fake.lose_adapter(key)

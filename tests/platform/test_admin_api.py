@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import insert
 
-from loraplex.platform import admin_api
+from loraplex.platform.api import admin as admin_api
 from loraplex.platform.db.models import Tenant, utcnow
 from tests.platform.tenancy_env import bearer
 
@@ -96,7 +96,8 @@ async def test_deleting_a_tenant_removes_its_keys_and_collects_its_adapters(
             collected.append(True)
             return []
 
-    monkeypatch.setattr(env.app.state, "registry", Registry(), raising=False)
+    # The tenant service owns the deletion's effects: it asks the registry to collect.
+    monkeypatch.setattr(env.app.platform.tenancy.tenants, "registry", Registry())
     assert (await env.http.delete("/admin/api/tenants/acme", headers=env.admin_headers)).is_success
     assert collected == [True]
     r = await env.http.post("/v1/completions", headers=bearer(key), json=COMPLETION)
@@ -236,7 +237,7 @@ def _bulk_tenants(env: Any, count: int) -> None:
         }
         for i in range(count)
     ]
-    with env.platform.db.session() as session:
+    with env.store.db.session() as session:
         session.execute(insert(Tenant), rows)
 
 

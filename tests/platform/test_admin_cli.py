@@ -129,7 +129,7 @@ def test_schema_tenants_keys_and_token_from_the_shell(
 async def test_a_key_made_by_the_cli_works_on_the_running_server(
     tenancy: TenancyEnv, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    url = ("--database-url", tenancy.platform.db.url)
+    url = ("--database-url", tenancy.store.db.url)
     assert cli(capsys, "admin", "tenant", "create", "acme", *url)[0] == 0
     _, out, _ = cli(capsys, "admin", "key", "create", "acme", *url)
     token = out.strip()

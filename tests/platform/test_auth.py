@@ -8,9 +8,10 @@ import httpx
 import pytest
 from fastapi import Request
 
-from loraplex.platform.app import ServerSettings, create_app
 from loraplex.platform.auth import SCOPE_INFERENCE, Caller, OperatorKeyAuthenticator
 from loraplex.platform.errors import rate_limited
+from loraplex.platform.settings import ServerSettings
+from loraplex.server import create_app
 from tests.platform.fakes import FakeEngineClient
 
 pytestmark = pytest.mark.anyio

@@ -12,7 +12,8 @@ import pytest
 from sqlalchemy import text
 
 from loraplex.platform.db.database import Database, sqlite_url
-from loraplex.platform.tenancy import Platform, TenancySettings
+from loraplex.platform.settings import TenancySettings
+from loraplex.platform.store import Store
 from tests.platform import registry_fixtures as rf
 from tests.platform.registry_fixtures import CONFIG, WEIGHTS, registry_env, upload
 
@@ -32,7 +33,7 @@ async def test_directories_0700_and_files_0600_after_an_upload(
         token = env.tenant("acme")
         r = await upload(env.http, token, "bot", registry_models.adapters["a"].files())
         assert r.status_code == 201, r.text
-        data = env.platform.data_dir
+        data = env.store.data_dir
         stored = data / "adapters" / r.json()["versions"][0]["content_sha256"]
         dirs = [data, data / "adapters", data / "tmp", stored]
         files = [stored / CONFIG, stored / WEIGHTS, data / "loraplex.db"]
@@ -67,7 +68,7 @@ def test_an_existing_open_data_directory_is_left_with_a_warning(
     shared.mkdir(mode=0o750)
     shared.chmod(0o750)  # the operator's choice (e.g. a backup group): not ours to change
     with caplog.at_level(logging.WARNING):
-        platform = Platform.open(TenancySettings(data_dir=shared))
+        platform = Store.open(TenancySettings(data_dir=shared))
     platform.db.dispose()
     assert mode(shared) == 0o750
     assert "chmod 700" in caplog.text

@@ -29,7 +29,7 @@ async def test_demo_tenant_key_rotation_and_adapters(tmp_path: Path, smollm2: st
     engine = RegistryEngine(model_dir=smollm2, vocab_size=49152, max_model_len=2048)
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     async with tenancy_env(tmp_path, engine, tokenizer) as env:
-        first = await setup_demo(env.app, env.platform)
+        first = await setup_demo(env.app.platform)
         models = await env.http.get("/v1/models", headers=bearer(first.key))
         assert models.status_code == 200, models.text
         ids = {m["id"] for m in models.json()["data"]}
@@ -42,7 +42,7 @@ async def test_demo_tenant_key_rotation_and_adapters(tmp_path: Path, smollm2: st
         )  # fmt: skip
         assert chat.status_code == 200 and chat.json()["model"] == "pirate@1"
 
-        second = await setup_demo(env.app, env.platform)
+        second = await setup_demo(env.app.platform)
         assert second.key != first.key
         old = await env.http.get("/v1/models", headers=bearer(first.key))
         assert old.status_code == 401  # the previous demo key is revoked

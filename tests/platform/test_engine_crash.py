@@ -18,7 +18,8 @@ import pytest
 
 from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
 from loraplex.engine.proc_client import ProcEngineClient
-from loraplex.platform.app import create_app, load_settings
+from loraplex.platform.settings import load_settings
+from loraplex.server import create_app
 from tests.conftest import make_tiny_model
 from tests.lora.test_lora_equivalence import make_adapter
 from tests.platform.conftest import add_chat_template

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
+from loraplex.engine.core import EngineCore
 from loraplex.engine.inproc_client import InprocEngineClient
-from loraplex.engine.proc_main import load_core
 from tests.platform import registry_fixtures as rf
 from tests.platform.registry_fixtures import upload
 from tests.platform.tenancy_env import tenancy_env
@@ -32,7 +32,7 @@ def _config(model_dir: str, **lora: Any) -> EngineConfig:
 
 def test_engine_info_carries_the_engines_limits(registry_models: rf.RegistryModels) -> None:
     config = _config(registry_models.model_dir, max_loras=3, max_cpu_loras=5, max_lora_rank=12)
-    _, info = load_core(config, registry_models.model_dir)
+    _, info = EngineCore.build(config, registry_models.model_dir)
     assert (info.max_lora_rank, info.max_loras, info.max_cpu_loras) == (12, 3, 5)
     assert set(info.lora_target_modules) == {
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from loraplex.platform.app import load_settings
-from loraplex.platform.serve import add_serve_arguments
+from loraplex.platform.settings import load_settings
+from loraplex.server.serve import add_serve_arguments
 from tests.platform.conftest import make_app
 from tests.platform.fakes import FakeEngineClient
 

@@ -13,8 +13,9 @@ import pytest
 from fastapi import Request
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraplex.platform.app import ServerSettings, create_app
 from loraplex.platform.auth import SCOPE_INFERENCE, Caller
+from loraplex.platform.settings import ServerSettings
+from loraplex.server import create_app
 from tests.platform.conftest import API_KEY, add_chat_template, sse_events
 from tests.platform.fakes import FakeEngineClient
 from tests.platform.test_disconnect import _drive_until_disconnect
@@ -298,7 +299,7 @@ async def test_a_dead_or_hung_engine_still_gets_scraped(
         assert value(m, "loraplex_preemptions_total") == 5  # the last known total
         fake.alive = True
         fake.stats_delay = 1.0
-        app.state.metrics.stats_timeout = 0.05
+        app.platform.metrics.stats_timeout = 0.05
         m = await scrape(api)
         assert value(m, "loraplex_engine_healthy") == 0
 
@@ -371,7 +372,7 @@ async def test_a_caller_without_the_admin_scope_is_refused(
         )
         assert r.status_code == 200
     # The tenant id is the tenant label (registry ids are bounded; "-" for the operator).
-    m = parse((await app.state.metrics.scrape()).decode())
+    m = parse((await app.platform.metrics.scrape()).decode())
     assert value(m, "loraplex_requests_total", tenant="t1", status="200") == 1
 
 

@@ -12,7 +12,8 @@ import httpx
 import openai
 import pytest
 
-from loraplex.platform.app import ServerSettings, create_app
+from loraplex.platform.settings import ServerSettings
+from loraplex.server import create_app
 from tests.conftest import make_tiny_model
 from tests.platform.conftest import API_KEY, add_chat_template, make_app
 from tests.platform.fakes import FakeEngineClient

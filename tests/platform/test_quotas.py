@@ -258,7 +258,7 @@ async def test_concurrency_limit_over_the_api(tenancy: Any) -> None:
     assert "2 requests in progress" in refused.json()["error"]["message"]
     assert refused.headers["Retry-After"] == "1"
     # Both slots were released when the responses (one of them streamed) ended.
-    assert env.app.state.quotas.in_flight(int(_tenant_id(env, "acme"))) == 0
+    assert env.app.platform.tenancy.quotas.in_flight(int(_tenant_id(env, "acme"))) == 0
     again = await asyncio.gather(*[_post(env, key, _completion(2)) for _ in range(2)])
     assert [r.status_code for r in again] == [200, 200]
 
@@ -266,7 +266,7 @@ async def test_concurrency_limit_over_the_api(tenancy: Any) -> None:
 def _tenant_id(env: Any, name: str) -> int:
     from loraplex.platform import tenants
 
-    with env.platform.db.session() as session:
+    with env.store.db.session() as session:
         return tenants.require_tenant(session, name).id
 
 
@@ -323,11 +323,11 @@ async def test_limits_are_read_from_the_tenant_row_and_cached_briefly(tenancy: A
     env.tenant("acme", quotas=Quotas(requests_per_minute=7))
     tenant_id = _tenant_id(env, "acme")
     clock = Clock()
-    quotas = QuotaManager(env.platform.db, clock=clock, limits_ttl=2.0)
+    quotas = QuotaManager(env.store.db, clock=clock, limits_ttl=2.0)
     assert (await quotas.limits(tenant_id)).requests_per_minute == 7
     from loraplex.platform import tenants
 
-    with env.platform.db.session() as session:
+    with env.store.db.session() as session:
         row = tenants.require_tenant(session, "acme")
         tenants.update_tenant(session, "admin", row, quotas={"requests_per_minute": 9})
     assert (await quotas.limits(tenant_id)).requests_per_minute == 7  # cached

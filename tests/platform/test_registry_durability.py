@@ -88,8 +88,8 @@ async def test_a_crash_mid_upload_is_cleaned_at_start(
                 seconds=service.STALE_UPLOAD_S + 1
             )
 
-        first.platform.db.call(stall)
-        leftover = first.platform.data_dir / "tmp" / "upload-crashed"
+        first.store.db.call(stall)
+        leftover = first.store.data_dir / "tmp" / "upload-crashed"
         leftover.mkdir()
         (leftover / "part").write_bytes(b"x")
         old = leftover.stat().st_mtime - service.STALE_UPLOAD_S - 1

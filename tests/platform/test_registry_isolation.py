@@ -121,11 +121,11 @@ async def test_equal_uploads_share_one_engine_copy_but_not_names(
         ).status_code == 404
     # globex deleting its name keeps acme's copy: files, engine, and acme's requests
     assert (await env.http.delete("/v1/adapters/y", headers=bearer(globex))).status_code == 200
-    assert engine.removed == [] and (env.platform.data_dir / "adapters" / key).is_dir()
+    assert engine.removed == [] and (env.store.data_dir / "adapters" / key).is_dir()
     r = await env.http.post("/v1/chat/completions", json=_chat("x"), headers=bearer(acme))
     assert r.status_code == 200 and engine.submitted[-1].lora_key == key
     assert (await env.http.delete("/v1/adapters/x", headers=bearer(acme))).status_code == 200
-    assert engine.removed == [key] and not (env.platform.data_dir / "adapters" / key).exists()
+    assert engine.removed == [key] and not (env.store.data_dir / "adapters" / key).exists()
 
 
 async def test_cache_keys_differ_by_tenant_and_by_version(

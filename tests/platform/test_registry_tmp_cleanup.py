@@ -25,7 +25,7 @@ async def test_a_killed_uploads_fresh_leftovers_go_at_the_next_start(
         r = await upload(first.http, token, "bot", registry_models.adapters["a"].files())
         assert r.status_code == 201, r.text
         stored = disk_state(first)
-        tmp = first.platform.data_dir / "tmp"
+        tmp = first.store.data_dir / "tmp"
         # What a SIGKILL in the middle of an upload leaves: its directory, seconds old.
         killed = tmp / "upload-0123456789abcdef"
         (killed / "received").mkdir(parents=True)
@@ -33,7 +33,7 @@ async def test_a_killed_uploads_fresh_leftovers_go_at_the_next_start(
         (tmp / "removed-stray").write_bytes(b"x")
 
     async with registry_env(tmp_path, registry_models, tokenizer) as second:
-        assert list((second.platform.data_dir / "tmp").iterdir()) == []
+        assert list((second.store.data_dir / "tmp").iterdir()) == []
         assert disk_state(second) == stored  # the stored version's files stay
         r = await second.http.get("/v1/adapters/bot", headers=rf.bearer(token))
         assert r.status_code == 200 and r.json()["latest_version"] == 1

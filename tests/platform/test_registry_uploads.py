@@ -63,7 +63,7 @@ def audit_actions(env: TenancyEnv) -> list[tuple[str, str, str]]:
         rows = session.scalars(select(AuditEvent).order_by(AuditEvent.id))
         return [(e.action, e.object_id, e.actor) for e in rows if e.action.startswith("adapter")]
 
-    return env.platform.db.call(read)
+    return env.store.db.call(read)
 
 
 async def test_upload_versions_select_and_delete(
@@ -78,7 +78,7 @@ async def test_upload_versions_select_and_delete(
     r = await upload(env.http, token, "bot", a.files(), description="first")
     assert r.status_code == 201, r.text
     card = r.json()
-    assert str(env.platform.data_dir) not in r.text and "adapters/" not in r.text  # no paths
+    assert str(env.store.data_dir) not in r.text and "adapters/" not in r.text  # no paths
     assert (card["id"], card["owned_by"], card["parent"]) == ("bot", "acme", BASE)
     assert (card["description"], card["latest_version"]) == ("first", 1)
     (v1,) = card["versions"]
@@ -87,21 +87,21 @@ async def test_upload_versions_select_and_delete(
     key_a = v1["content_sha256"]
     assert key_a in engine.adapters and len(engine.add_lora_calls) == 1  # loaded once: ready
     assert v1["size_bytes"] == len(a.config) + len(a.weights)
-    assert (env.platform.data_dir / "adapters" / key_a / WEIGHTS).read_bytes() == a.weights
+    assert (env.store.data_dir / "adapters" / key_a / WEIGHTS).read_bytes() == a.weights
 
     for model in ("bot", "bot@1"):
         r = await chat(env, token, model)
         assert r.status_code == 200, r.text
         assert r.json()["model"] == "bot@1"
         assert engine.submitted[-1].lora_key == key_a
-    await env.app.state.usage.flush()  # usage rows name the exact version that served
+    await env.app.platform.tenancy.usage.flush()  # usage rows name the exact version that served
 
     def usage(session: Any) -> list[tuple[str, int | None]]:
         rows = session.scalars(select(UsageRecord).order_by(UsageRecord.id))
         return [(u.model, u.adapter_version_id) for u in rows]
 
-    version_id = env.platform.db.call(lambda s: s.scalars(select(AdapterVersion.id)).one())
-    assert env.platform.db.call(usage) == [("bot@1", version_id)] * 2
+    version_id = env.store.db.call(lambda s: s.scalars(select(AdapterVersion.id)).one())
+    assert env.store.db.call(usage) == [("bot@1", version_id)] * 2
 
     r = await upload(env.http, token, "bot", b.files())
     assert r.status_code == 201, r.text
@@ -116,14 +116,14 @@ async def test_upload_versions_select_and_delete(
     cards = {m["id"]: m for m in r.json()["data"]}
     assert set(cards) == {BASE, "bot", "bot@1", "bot@2"}
     assert cards["bot@1"]["parent"] == BASE and cards["bot@1"]["owned_by"] == "acme"
-    assert str(env.platform.data_dir) not in r.text
+    assert str(env.store.data_dir) not in r.text
 
     r = await env.http.delete("/v1/adapters/bot@1", headers=bearer(token))
     assert r.json() == {"id": "bot@1", "object": "adapter.version", "deleted": True}
     assert (await chat(env, token, "bot@1")).status_code == 404
     r = await chat(env, token, "bot")
     assert r.json()["model"] == "bot@2" and engine.submitted[-1].lora_key == key_b
-    assert not (env.platform.data_dir / "adapters" / key_a).exists()  # no version names it
+    assert not (env.store.data_dir / "adapters" / key_a).exists()  # no version names it
     assert engine.removed == [key_a]
 
     r = await env.http.delete("/v1/adapters/bot", headers=bearer(token))
@@ -250,7 +250,7 @@ async def test_attack_refused_leaving_nothing(
     assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
     assert r.json()["error"]["message"].endswith("."), r.text
     assert disk_state(env) == before
-    assert list((env.platform.data_dir / "tmp").iterdir()) == []
+    assert list((env.store.data_dir / "tmp").iterdir()) == []
     assert row_counts(env) == (0, 0)
     assert (await chat(env, token, "victim")).status_code == 404
 
@@ -337,7 +337,7 @@ async def test_malformed_uploads(env: TenancyEnv, registry_models: rf.RegistryMo
     both = {**a.files(), "a.zip": make_zip(a.files())}
     r = await upload(env.http, token, "x", both)
     assert (r.status_code, r.json()["error"]["code"]) == (400, "unexpected_file")
-    assert row_counts(env) == (0, 0) and list((env.platform.data_dir / "tmp").iterdir()) == []
+    assert row_counts(env) == (0, 0) and list((env.store.data_dir / "tmp").iterdir()) == []
 
 
 async def test_adapter_limit_counts_names_not_versions(
@@ -432,7 +432,7 @@ async def test_deleting_a_tenant_removes_only_its_own_files(
     own = (await upload(env.http, acme, "own", b.files())).json()["versions"][0]
     r = await env.http.delete("/admin/api/tenants/acme", headers=env.admin_headers)
     assert r.status_code == 200, r.text
-    stored = env.platform.data_dir / "adapters"
+    stored = env.store.data_dir / "adapters"
     assert not (stored / own["content_sha256"]).exists()
     assert (stored / shared["content_sha256"]).is_dir()  # globex's "mine" names it
     assert engine.removed == [own["content_sha256"]]

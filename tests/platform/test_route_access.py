@@ -24,7 +24,8 @@ import pytest
 from fastapi import APIRouter, Depends, FastAPI
 
 from loraplex.platform import access
-from loraplex.platform.app import ServerSettings, create_app
+from loraplex.platform.settings import ServerSettings
+from loraplex.server import create_app
 from tests.platform.fakes import FakeEngineClient
 from tests.platform.tenancy_env import TenancyEnv, bearer, tenancy_env
 
@@ -75,8 +76,8 @@ def reached(response: httpx.Response) -> bool:
 async def platform_env(
     tmp_path: Path, fake: FakeEngineClient, tokenizer: Any
 ) -> AsyncIterator[TenancyEnv]:
-    async with tenancy_env(tmp_path, fake, tokenizer) as env:
-        env.app.state.settings = ServerSettings(metrics_token=METRICS_TOKEN)
+    server = ServerSettings(metrics_token=METRICS_TOKEN)
+    async with tenancy_env(tmp_path, fake, tokenizer, server=server) as env:
         yield env
 
 

@@ -11,7 +11,8 @@ from fastapi import Depends
 from sqlalchemy import select
 
 from loraplex.platform import admin_token, tenants
-from loraplex.platform.auth import SCOPE_ADAPTERS_WRITE, SCOPE_INFERENCE, Caller, require_scope
+from loraplex.platform.access import require_scope
+from loraplex.platform.auth import SCOPE_ADAPTERS_WRITE, SCOPE_INFERENCE, Caller
 from loraplex.platform.db.models import ApiKey, PlatformSetting, utcnow
 from loraplex.platform.keys import PREFIX, parse_key
 from tests.platform.fakes import FakeEngineClient
@@ -44,7 +45,7 @@ def add_probe_routes(env: TenancyEnv) -> None:
 
 
 def tenant_row(env: TenancyEnv, name: str) -> tuple[int, str]:
-    with env.platform.db.session() as session:
+    with env.store.db.session() as session:
         tenant = tenants.require_tenant(session, name)
         return tenant.id, tenant.cache_salt
 
@@ -52,7 +53,7 @@ def tenant_row(env: TenancyEnv, name: str) -> tuple[int, str]:
 def key_row(env: TenancyEnv, token: str) -> ApiKey:
     parsed = parse_key(token)
     assert parsed is not None
-    with env.platform.db.session() as session:
+    with env.store.db.session() as session:
         key = session.scalars(select(ApiKey).where(ApiKey.public_id == parsed[0])).one()
         session.expunge(key)
         return key
@@ -128,7 +129,7 @@ async def test_missing_or_malformed_header_is_401(
 async def test_a_revoked_key_fails_on_the_next_request(tenancy: TenancyEnv) -> None:
     key, other = tenancy.tenant("acme"), tenancy.tenant("acme")
     assert (await tenancy.http.get("/v1/models", headers=bearer(key))).status_code == 200
-    with tenancy.platform.db.session() as session:
+    with tenancy.store.db.session() as session:
         tenant = tenants.require_tenant(session, "acme")
         tenants.revoke_key(session, "admin", tenant, key_row(tenancy, key).public_id)
     r = await tenancy.http.get("/v1/models", headers=bearer(key))
@@ -142,11 +143,11 @@ async def test_a_revoked_key_fails_on_the_next_request(tenancy: TenancyEnv) -> N
 async def test_an_expired_key_fails_on_the_next_request(tenancy: TenancyEnv) -> None:
     key = tenancy.tenant("acme")
     public_id = key_row(tenancy, key).public_id
-    with tenancy.platform.db.session() as session:
+    with tenancy.store.db.session() as session:
         row = session.scalars(select(ApiKey).where(ApiKey.public_id == public_id)).one()
         row.expires_at = utcnow() + dt.timedelta(hours=1)
     assert (await tenancy.http.get("/v1/models", headers=bearer(key))).status_code == 200
-    with tenancy.platform.db.session() as session:
+    with tenancy.store.db.session() as session:
         row = session.scalars(select(ApiKey).where(ApiKey.public_id == public_id)).one()
         row.expires_at = utcnow() - dt.timedelta(seconds=1)
     r = await tenancy.http.get("/v1/models", headers=bearer(key))
@@ -158,7 +159,7 @@ async def test_a_suspended_tenants_keys_get_403(tenancy: TenancyEnv) -> None:
     acme, globex = tenancy.tenant("acme"), tenancy.tenant("globex")
 
     def set_status(status: str) -> None:
-        with tenancy.platform.db.session() as session:
+        with tenancy.store.db.session() as session:
             tenant = tenants.require_tenant(session, "acme")
             tenants.update_tenant(session, "admin", tenant, status=status)
 
@@ -189,7 +190,7 @@ async def test_the_admin_token_is_the_operator_and_tenant_keys_are_never_admin(
     assert r.status_code == 403 and r.json()["error"]["code"] == "insufficient_scope"
     # Even a key row that claims the admin scope does not get it.
     public_id = key_row(tenancy, key).public_id
-    with tenancy.platform.db.session() as session:
+    with tenancy.store.db.session() as session:
         row = session.scalars(select(ApiKey).where(ApiKey.public_id == public_id)).one()
         row.scopes = ["inference", "admin"]
     r = await tenancy.http.get("/test/admin-only", headers=bearer(key))
@@ -214,7 +215,7 @@ async def test_last_used_at_is_written_at_most_once_a_minute(tenancy: TenancyEnv
     assert key_row(tenancy, key).last_used_at is None
     t0 = dt.datetime(2030, 1, 1, 12, 0, tzinfo=dt.timezone.utc)
     now = [t0]
-    tenancy.app.state.authenticator.clock = lambda: now[0]
+    tenancy.app.platform.authenticator.clock = lambda: now[0]
     for offset, expected in ((0, t0), (30, t0), (59, t0), (61, t0 + dt.timedelta(seconds=61))):
         now[0] = t0 + dt.timedelta(seconds=offset)
         assert (await tenancy.http.get("/v1/models", headers=bearer(key))).status_code == 200
@@ -227,15 +228,15 @@ async def test_a_generated_admin_token_is_shown_once_and_stored_hashed(
     async with tenancy_env(
         tmp_path, fake, tokenizer, admin_token=None, database_url=database_url
     ) as env:
-        first = admin_token.ensure(env.platform.db, env.platform.settings)
+        first = admin_token.ensure(env.store.db, env.store.settings)
         assert first.source == "generated" and first.token is not None
         assert first.token.startswith(admin_token.TOKEN_PREFIX)
         assert len(first.token) - len(admin_token.TOKEN_PREFIX) >= 43  # >= 256 bits, base64
         assert first.token in first.message()
-        again = admin_token.ensure(env.platform.db, env.platform.settings)
+        again = admin_token.ensure(env.store.db, env.store.settings)
         assert again.source == "stored" and again.token is None
         assert "rotate" in again.message()
-        with env.platform.db.session() as session:
+        with env.store.db.session() as session:
             rows = list(session.scalars(select(PlatformSetting)))
         assert [(r.key, r.value) for r in rows] == [
             (admin_token.SETTING_KEY, admin_token.token_sha256(first.token))
@@ -243,8 +244,8 @@ async def test_a_generated_admin_token_is_shown_once_and_stored_hashed(
 
         r = await env.http.get("/v1/models", headers=bearer(first.token))
         assert r.status_code == 200, r.text
-        with env.platform.db.session() as session:
-            new = admin_token.rotate(session, env.platform.settings, "admin (cli)")
+        with env.store.db.session() as session:
+            new = admin_token.rotate(session, env.store.settings, "admin (cli)")
         assert new != first.token
         assert (await env.http.get("/v1/models", headers=bearer(first.token))).status_code == 401
         assert (await env.http.get("/v1/models", headers=bearer(new))).status_code == 200
@@ -253,7 +254,7 @@ async def test_a_generated_admin_token_is_shown_once_and_stored_hashed(
 
 
 def test_an_env_admin_token_replaces_the_stored_one_and_must_be_strong(tmp_path: Path) -> None:
-    from loraplex.platform.tenancy import TenancySettings
+    from loraplex.platform.settings import TenancySettings
 
     settings = TenancySettings(data_dir=tmp_path, admin_token="short")
     with pytest.raises(ValueError, match="at least 16 characters"):

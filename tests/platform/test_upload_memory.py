@@ -18,7 +18,7 @@ from typing import Any
 import pydantic
 import pytest
 
-from loraplex.platform.tenancy import TenancySettings
+from loraplex.platform.settings import TenancySettings
 from tests.conftest import make_tiny_model
 from tests.platform import registry_fixtures as rf
 from tests.platform.conftest import add_chat_template
@@ -126,7 +126,7 @@ async def test_uploads_past_the_limit_get_429_and_slots_come_back(
 ) -> None:
     a = registry_models.adapters["a"]
     async with registry_env(tmp_path, registry_models, tokenizer, max_concurrent_uploads=1) as env:
-        slots = env.app.state.registry.upload_slots
+        slots = env.app.platform.tenancy.registry.upload_slots
         token = env.tenant("acme")
         go = asyncio.Event()
         first = asyncio.create_task(_post_stalled(env, token, a, "first", go))
@@ -148,7 +148,7 @@ async def test_uploads_past_the_limit_get_429_and_slots_come_back(
         with contextlib.suppress(asyncio.CancelledError):
             await stalled
         assert slots.active == 0
-        assert list((env.platform.data_dir / "tmp").iterdir()) == []
+        assert list((env.store.data_dir / "tmp").iterdir()) == []
 
         # So does a refused upload.
         r = await upload(env.http, token, "bad", {CONFIG: a.config})
@@ -170,7 +170,7 @@ async def test_the_admin_ui_upload_takes_a_slot_too(
         assert page.status_code == 200, page.text[:300]
         data = {"csrf_token": csrf_of(page.text), "tenant": "acme", "name": "web"}
         files = [("file", (n, c, "application/octet-stream")) for n, c in a.files().items()]
-        slots = env.app.state.registry.upload_slots
+        slots = env.app.platform.tenancy.registry.upload_slots
         with slots.hold():  # another upload is in flight
             r = await env.http.post("/admin/adapters/upload", data=data, files=files)
             assert r.status_code == 429 and "LORAPLEX_MAX_CONCURRENT_UPLOADS" in r.text

@@ -41,12 +41,12 @@ async def _leave_early(app: Any, path: str, token: str, body: dict[str, Any], le
 
 
 def _salt(env: Any, name: str) -> str:
-    with env.platform.db.session() as session:
+    with env.store.db.session() as session:
         return f"salt:{tenants.require_tenant(session, name).cache_salt}"
 
 
 def _rows(env: Any, name: str | None) -> list[UsageRecord]:
-    with env.platform.db.session() as session:
+    with env.store.db.session() as session:
         if name is None:
             query = select(UsageRecord).where(UsageRecord.tenant_id.is_(None))
             return list(session.scalars(query))
@@ -103,7 +103,7 @@ async def test_usage_rows_add_up_to_what_the_engine_produced(tenancy: Any) -> No
                                                               "max_tokens": 3},
     )  # fmt: skip
     assert r.status_code == 200
-    await env.app.state.usage.flush()
+    await env.app.platform.tenancy.usage.flush()
 
     for name in keys:
         rows = _rows(env, name)
@@ -179,7 +179,7 @@ def _record(tenant_id: int | None, **fields: Any) -> RequestRecord:
 
 def _tenant_with_version(env: Any, name: str) -> tuple[int, str, int]:
     """A tenant with a key and adapter "style" version 2: (tenant id, key public id, version)."""
-    with env.platform.db.session() as session:
+    with env.store.db.session() as session:
         tenant = tenants.create_tenant(session, "admin", name)
         key, _ = tenants.create_key(session, "admin", tenant)
         adapter = TenantScope(session, tenant.id).add(Adapter(name="style", next_version=3))
@@ -196,7 +196,7 @@ async def test_rows_name_only_the_tenants_own_key_and_adapter_version(tenancy: A
     env = tenancy
     acme, acme_key, acme_version = _tenant_with_version(env, "acme")
     _, globex_key, globex_version = _tenant_with_version(env, "globex")
-    recorder = UsageRecorder(env.platform.db)
+    recorder = UsageRecorder(env.store.db)
     recorder.record_request(
         _record(acme, request_id="mine", completion_tokens=4),
         key_id=acme_key,
@@ -209,7 +209,7 @@ async def test_rows_name_only_the_tenants_own_key_and_adapter_version(tenancy: A
     )
     recorder.record_request(_record(999_999, request_id="gone"), key_id=None)  # no such tenant
     assert await recorder.flush() == 2
-    with env.platform.db.session() as session:
+    with env.store.db.session() as session:
         rows = {r.request_id: r for r in TenantScope(session, acme).all(UsageRecord)}
         key_id = session.scalar(select(ApiKey.id).where(ApiKey.public_id == acme_key))
         assert session.scalar(select(func.count()).select_from(UsageRecord)) == 2
@@ -223,7 +223,7 @@ async def test_rows_name_only_the_tenants_own_key_and_adapter_version(tenancy: A
 async def test_writes_happen_in_the_background_in_batches(tenancy: Any) -> None:
     env = tenancy
     acme = env.tenant("acme") and _tenant_id(env, "acme")
-    recorder = UsageRecorder(env.platform.db, flush_interval=0.05, batch_size=4)
+    recorder = UsageRecorder(env.store.db, flush_interval=0.05, batch_size=4)
     for i in range(10):
         recorder.observe(_record(acme, request_id=f"r{i}", completion_tokens=1))
     # observe did no I/O: the rows are buffered.
@@ -246,12 +246,12 @@ async def test_writes_happen_in_the_background_in_batches(tenancy: Any) -> None:
 
 
 def _tenant_id(env: Any, name: str) -> int:
-    with env.platform.db.session() as session:
+    with env.store.db.session() as session:
         return tenants.require_tenant(session, name).id
 
 
 def _count(env: Any) -> int:
-    with env.platform.db.session() as session:
+    with env.store.db.session() as session:
         return int(session.scalar(select(func.count()).select_from(UsageRecord)) or 0)
 
 
@@ -272,7 +272,7 @@ async def test_roll_ups_and_retention_never_double_count(tenancy: Any) -> None:
     def day(d: int, hour: int = 10) -> dt.datetime:
         return dt.datetime(2025, 3, d, hour, tzinfo=dt.timezone.utc)
 
-    with env.platform.db.session() as session:
+    with env.store.db.session() as session:
         session.add_all(
             [
                 _raw(acme, day(5, 0), MODEL, 10, 1),
@@ -286,7 +286,7 @@ async def test_roll_ups_and_retention_never_double_count(tenancy: Any) -> None:
     march = DateRange(dt.date(2025, 3, 1), dt.date(2025, 3, 10))
 
     def report() -> dict[str, Any]:
-        result = env.platform.db.call(lambda s: usage.tenant_usage(s, acme, march))
+        result = env.store.db.call(lambda s: usage.tenant_usage(s, acme, march))
         return dict(result.model_dump())
 
     before = report()
@@ -297,31 +297,31 @@ async def test_roll_ups_and_retention_never_double_count(tenancy: Any) -> None:
         (dt.date(2025, 3, 10), MODEL, 1, 0),
     ]
 
-    assert await apply_retention(env.platform.db, 3, now=now) == 4  # before March 7
+    assert await apply_retention(env.store.db, 3, now=now) == 4  # before March 7
     assert report() == before
-    with env.platform.db.session() as session:
+    with env.store.db.session() as session:
         assert session.scalar(select(func.count()).select_from(UsageRecord)) == 2
         assert session.scalar(select(func.count()).select_from(UsageDaily)) == 3
-    assert await apply_retention(env.platform.db, 3, now=now) == 0
+    assert await apply_retention(env.store.db, 3, now=now) == 0
     assert report() == before
 
     # A late row for a rolled-up day joins that day's roll-up (the operator's too).
-    with env.platform.db.session() as session:
+    with env.store.db.session() as session:
         session.add_all([_raw(acme, day(5, 12), MODEL, 1, 1), _raw(None, day(5), MODEL, 1, 1)])
-    assert await apply_retention(env.platform.db, 3, now=now) == 2
+    assert await apply_retention(env.store.db, 3, now=now) == 2
     after = report()
     assert after["data"][0]["requests"] == 3 and after["data"][0]["prompt_tokens"] == 31
     assert after["totals"]["requests"] == before["totals"]["requests"] + 1
-    with env.platform.db.session() as session:
+    with env.store.db.session() as session:
         operator_days = list(
             session.scalars(select(UsageDaily).where(UsageDaily.tenant_id.is_(None)))
         )
         assert [(d.requests, d.prompt_tokens) for d in operator_days] == [(2, 8)]
 
     # Deleting the tenant deletes its usage, raw and rolled up.
-    with env.platform.db.session() as session:
+    with env.store.db.session() as session:
         tenants.delete_tenant(session, "admin", session.get(Tenant, acme))
-    with env.platform.db.session() as session:
+    with env.store.db.session() as session:
         assert session.scalar(select(func.count()).select_from(UsageDaily)) == 1
 
 
@@ -329,7 +329,7 @@ async def test_the_app_lifespan_flushes_usage_at_shutdown(tenancy: Any) -> None:
     env = tenancy
     env.tenant("acme")
     acme = _tenant_id(env, "acme")
-    recorder: UsageRecorder = env.app.state.usage
+    recorder: UsageRecorder = env.app.platform.tenancy.usage
     recorder.flush_interval = 3600.0  # only the shutdown writes
     async with env.app.router.lifespan_context(env.app):
         recorder.observe(_record(acme, request_id="at-shutdown", completion_tokens=2))
@@ -356,7 +356,7 @@ async def test_a_failing_tenant_does_not_lose_the_others_rows(
         return write(session, batch)
 
     monkeypatch.setattr(usage, "_write_rows", racing)
-    recorder = UsageRecorder(env.platform.db)
+    recorder = UsageRecorder(env.store.db)
     recorder.record_request(_record(acme, request_id="a1"))
     recorder.record_request(_record(424242, request_id="gone"))
     recorder.record_request(_record(acme, request_id="a2"))

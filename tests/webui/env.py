@@ -1,7 +1,7 @@
 """The admin UI on a multi-tenant app over the fake engine, with a fresh SQLite database.
 
-``WebEnv.build(tmp_path)`` assembles ``create_app(FakeEngineClient)`` + ``install_tenancy`` +
-``install_webui``; ``env.http()`` is an httpx client on it (no network); ``sign_in`` returns a
+``WebEnv.build(tmp_path)`` assembles ``create_app(FakeEngineClient, store=...)`` (the platform
+with its admin UI); ``env.http()`` is an httpx client on it (no network); ``sign_in`` returns a
 client holding a session; ``env.fake`` scripts the engine (``engine_stats``, ``alive``).
 """
 
@@ -14,9 +14,10 @@ from typing import Any
 
 import httpx
 
-from loraplex.platform.app import ServerSettings, create_app
-from loraplex.platform.tenancy import Platform
-from loraplex.webui import WebUI, WebUISettings, install_webui
+from loraplex.platform.settings import ServerSettings
+from loraplex.platform.store import Store
+from loraplex.server import LoraplexApp, create_app
+from loraplex.webui import WebUI, WebUISettings
 from tests.platform.fakes import FakeEngineClient
 from tests.platform.tenancy_env import ADMIN_TOKEN, platform_for
 
@@ -34,8 +35,8 @@ def csrf_of(html: str) -> str:
 
 @dataclass
 class WebEnv:
-    app: Any
-    platform: Platform
+    app: LoraplexApp
+    store: Store
     fake: FakeEngineClient
     webui: WebUI
 
@@ -44,7 +45,7 @@ class WebEnv:
         cls, tmp_path: Path, *, tenancy: dict[str, Any] | None = None, **webui_settings: Any
     ) -> WebEnv:
         """``tenancy``: TenancySettings overrides (``admin_token=None``: a generated token)."""
-        platform = platform_for(tmp_path, **(tenancy or {}))
+        store = platform_for(tmp_path, **(tenancy or {}))
         fake = FakeEngineClient(model_dir=str(tmp_path / "tiny-model"))
         fake.engine_stats.update(
             num_running=3,
@@ -57,14 +58,10 @@ class WebEnv:
             lora_resident_host=3,
             lora_registered=5,
         )
-        app = create_app(fake, ServerSettings(), platform=platform)
         settings = WebUISettings(**webui_settings)
-        webui: WebUI | None = getattr(app.state, "webui", None)
-        if webui is None:
-            webui = install_webui(app, platform, settings)
-        else:  # create_app installed the UI already; the settings are read per request
-            webui.settings = settings
-        return cls(app, platform, fake, webui)
+        app = create_app(fake, ServerSettings(), store=store, webui_settings=settings)
+        assert app.webui is not None
+        return cls(app, store, fake, app.webui)
 
     def http(self, *, root_path: str = "", base_url: str = "http://test") -> httpx.AsyncClient:
         transport = httpx.ASGITransport(app=self.app, root_path=root_path)
@@ -74,7 +71,7 @@ class WebEnv:
         """A fresh API key of tenant ``name`` (created when missing)."""
         from loraplex.platform import tenants
 
-        with self.platform.db.session() as session:
+        with self.store.db.session() as session:
             tenant = tenants.get_tenant(session, name) or tenants.create_tenant(
                 session, "admin", name, quotas=tenants.Quotas()
             )
@@ -82,7 +79,7 @@ class WebEnv:
         return new.token
 
     def close(self) -> None:
-        self.platform.db.dispose()
+        self.store.db.dispose()
 
 
 async def sign_in(

@@ -19,7 +19,8 @@ import httpx
 import pytest
 
 from loraplex.platform import access
-from loraplex.platform.app import ServerSettings, create_app
+from loraplex.platform.settings import ServerSettings
+from loraplex.server import create_app
 from loraplex.webui import PAGES, SESSION_GUARDS
 from loraplex.webui import adapters as adapters_page
 from loraplex.webui import playground as playground_page
@@ -56,21 +57,21 @@ def mount_pages(app: Any, webui: WebUI) -> None:
 
 def build_web(tmp_path: Path, models: RegistryModels, tokenizer: Any, **tenancy: Any) -> WebEnv:
     tenancy.setdefault("max_adapter_bytes", MAX_ADAPTER_BYTES)
-    platform = platform_for(tmp_path, **tenancy)
+    store = platform_for(tmp_path, **tenancy)
     engine = RegistryEngine(model_dir=models.model_dir, max_model_len=256)
     engine.engine_stats.update(
         lora_resident_device=1, lora_resident_host=2, lora_registered=3, num_running=0
     )
-    app = create_app(engine, ServerSettings(), tokenizer=tokenizer, platform=platform)
-    webui: WebUI = app.state.webui
-    mount_pages(app, webui)
-    return WebEnv(app, platform, engine, webui)
+    app = create_app(engine, ServerSettings(), tokenizer=tokenizer, store=store)
+    assert app.webui is not None
+    mount_pages(app, app.webui)
+    return WebEnv(app, store, engine, app.webui)
 
 
 def create_tenant(env: WebEnv, name: str) -> int:
     from loraplex.platform import tenants
 
-    with env.platform.db.session() as session:
+    with env.store.db.session() as session:
         tenant = tenants.get_tenant(session, name) or tenants.create_tenant(
             session, "admin", name, quotas=tenants.Quotas()
         )

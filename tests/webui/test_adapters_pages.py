@@ -46,7 +46,7 @@ def versions(env: WebEnv) -> list[tuple[str, int, str]]:
         rows = session.scalars(select(AdapterVersion).order_by(AdapterVersion.id))
         return [(v.adapter.name, v.number, v.status) for v in rows]
 
-    return env.platform.db.call(read)
+    return env.store.db.call(read)
 
 
 def hashes(env: WebEnv) -> dict[str, str]:
@@ -56,15 +56,15 @@ def hashes(env: WebEnv) -> dict[str, str]:
         rows = session.scalars(select(AdapterVersion).order_by(AdapterVersion.number))
         return {v.adapter.name: v.content_sha256 for v in rows}
 
-    return env.platform.db.call(read)
+    return env.store.db.call(read)
 
 
 def tmp_entries(env: WebEnv) -> list[Path]:
-    return list((env.platform.data_dir / "tmp").iterdir())
+    return list((env.store.data_dir / "tmp").iterdir())
 
 
 def stored(env: WebEnv) -> list[Path]:
-    return list((env.platform.data_dir / "adapters").iterdir())
+    return list((env.store.data_dir / "adapters").iterdir())
 
 
 def wrong_shapes(adapter: rf.TinyAdapter) -> rf.TinyAdapter:
@@ -121,7 +121,7 @@ async def test_upload_through_the_form_makes_a_ready_version(
 
     assert versions(web) == [("support-bot", 1, "ready")]
     assert tmp_entries(web) == []
-    events = web.platform.db.call(
+    events = web.store.db.call(
         lambda s: [(e.action, e.actor, e.tenant_name) for e in s.scalars(select(AuditEvent))]
     )
     assert ("adapter.upload", "admin (web)", "acme") in events
@@ -340,7 +340,7 @@ async def test_delete_a_version_after_confirming(
             "/admin/adapters/acme/bot@2/delete", data={"csrf_token": csrf_of(confirm.text)}
         )
         assert r.status_code == 404
-    events = web.platform.db.call(lambda s: [e.action for e in s.scalars(select(AuditEvent))])
+    events = web.store.db.call(lambda s: [e.action for e in s.scalars(select(AuditEvent))])
     assert events.count("adapter_version.delete") == 1 and events.count("adapter.delete") == 1
 
 

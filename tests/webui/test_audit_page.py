@@ -28,7 +28,7 @@ def add_events(web: WebEnv, specs: list[tuple[str, str, str, dt.datetime]]) -> N
          "object_type": "tenant", "object_id": tenant}
         for action, tenant, actor, when in specs
     ]  # fmt: skip
-    with web.platform.db.session() as session:
+    with web.store.db.session() as session:
         session.execute(insert(AuditEvent), rows)
 
 

@@ -56,7 +56,7 @@ def seed_neighbours(env: WebEnv) -> None:
          "requests_per_minute": 600 if i % 3 else None, "tokens_per_minute": 100_000}
         for i in range(80)
     ]  # fmt: skip
-    with env.platform.db.session() as session:
+    with env.store.db.session() as session:
         session.execute(insert(Tenant), rows)
         service.create_tenant(session, "admin", "evil", display_name="<script>alert(1)</script>")
 
@@ -64,7 +64,7 @@ def seed_neighbours(env: WebEnv) -> None:
 def seed_adapters_and_usage(env: WebEnv, name: str) -> None:
     """Two adapter versions and a few days of requests for ``name``'s page."""
     now = utcnow()
-    with env.platform.db.session() as session:
+    with env.store.db.session() as session:
         tenant = service.require_tenant(session, name)
         scope = TenantScope(session, tenant.id)
         adapter = scope.add(Adapter(name="support-bot", description="", next_version=3))

@@ -56,7 +56,7 @@ def seed_usage(env: WebEnv) -> None:
     """Two weeks of requests of three tenants, for the Usage page's charts."""
     rng = random.Random(3)
     today = utcnow().date()
-    with env.platform.db.session() as session:
+    with env.store.db.session() as session:
         ids = dict(session.execute(select(Tenant.name, Tenant.id)).tuples().all())
         rows = []
         for back in range(14):

@@ -13,7 +13,7 @@ from sqlalchemy import func, select
 from loraplex.platform import tenants as service
 from loraplex.platform.db.models import ApiKey, AuditEvent, utcnow
 from loraplex.platform.keys import display_key, parse_key
-from loraplex.webui.keys import OneTimeSecrets
+from loraplex.webui.sessions import OneTimeSecrets
 from loraplex.webui.sessions import Session as WebSession
 from loraplex.webui.views import WEB_ACTOR
 from tests.platform.tenancy_env import bearer
@@ -25,19 +25,19 @@ KEY = re.compile(r"lpx_[a-z0-9]{12}_[A-Za-z0-9]{32}")
 
 
 def make_tenant(web: WebEnv, name: str) -> None:
-    with web.platform.db.session() as session:
+    with web.store.db.session() as session:
         service.create_tenant(session, "admin", name)
 
 
 def key_row(web: WebEnv, public_id: str) -> ApiKey:
-    with web.platform.db.session() as session:
+    with web.store.db.session() as session:
         row = session.scalars(select(ApiKey).where(ApiKey.public_id == public_id)).one()
         session.expunge(row)
         return row
 
 
 def key_count(web: WebEnv) -> int:
-    with web.platform.db.session() as session:
+    with web.store.db.session() as session:
         return session.scalar(select(func.count()).select_from(ApiKey)) or 0
 
 
@@ -100,7 +100,7 @@ async def test_a_new_key_is_shown_once_and_works_until_revoked(web: WebEnv) -> N
     assert row.name == "production" and row.scopes == ["inference", "adapters:write"]
     assert row.revoked_at is not None and row.expires_at is not None
     assert abs(row.expires_at - (utcnow() + dt.timedelta(days=30))) < dt.timedelta(minutes=1)
-    with web.platform.db.session() as session:
+    with web.store.db.session() as session:
         assert token not in repr(session.execute(select(ApiKey.__table__)).all())
 
 
@@ -143,7 +143,7 @@ async def test_a_bad_key_form_comes_back_with_the_message_inline(
 async def test_the_keys_list_filters_and_pages(web: WebEnv) -> None:
     make_tenant(web, "acme")
     make_tenant(web, "beta")
-    with web.platform.db.session() as session:
+    with web.store.db.session() as session:
         acme, beta = (
             service.require_tenant(session, "acme"),
             service.require_tenant(session, "beta"),
@@ -178,7 +178,7 @@ async def test_the_keys_list_filters_and_pages(web: WebEnv) -> None:
 
 async def test_revoking_goes_back_where_it_came_from(web: WebEnv) -> None:
     make_tenant(web, "acme")
-    with web.platform.db.session() as session:
+    with web.store.db.session() as session:
         key = service.create_key(session, "admin", service.require_tenant(session, "acme"))[1]
     path = f"/admin/keys/{key.public_id}/revoke"
     async with web.http() as http:
@@ -193,7 +193,7 @@ async def test_revoking_goes_back_where_it_came_from(web: WebEnv) -> None:
         assert "This key is already revoked." in (await http.get(path)).text
         assert (await http.get("/admin/keys/nokey/revoke")).status_code == 404
         assert (await http.get("/admin/keys/nokey/created")).status_code == 404
-    with web.platform.db.session() as session:
+    with web.store.db.session() as session:
         events = session.execute(select(AuditEvent.action, AuditEvent.actor)).all()
     assert [tuple(e) for e in events].count(("key.revoke", WEB_ACTOR)) == 1
 

@@ -139,20 +139,20 @@ def test_chart_geometry_breaks_at_gaps_and_scales_to_a_nice_maximum() -> None:
     assert format_seconds(0.0123) == "12 ms" and format_seconds(2.5) == "2.50 s"
 
 
-def test_install_joins_the_apps_request_observers(tmp_path: Path) -> None:
-    """Where the app lists its request observers (``app.state.request_observers``, read when the
-    middleware stack is built), the recorder joins them; otherwise the lead wires it."""
-    from loraplex.platform.app import ServerSettings, create_app
-    from loraplex.webui import install_webui
+def test_the_charts_recorder_sees_every_request(tmp_path: Path) -> None:
+    """The composition root lists the UI's recorder among the request log's observers."""
+    from loraplex.platform.request_log import RequestLogMiddleware
+    from loraplex.platform.settings import ServerSettings
+    from loraplex.server import create_app
     from tests.platform.tenancy_env import platform_for
 
-    app = create_app(FakeEngineClient(model_dir="m"), ServerSettings())
-    observers = getattr(app.state, "request_observers", None)
-    if observers is None:
-        observers = app.state.request_observers = []
-    platform = platform_for(tmp_path)
+    store = platform_for(tmp_path)
     try:
-        webui = install_webui(app, platform)
-        assert webui.recorder.observe_record in observers
+        app = create_app(FakeEngineClient(model_dir="m"), ServerSettings(), store=store)
+        assert app.webui is not None
+        (log,) = [m for m in app.user_middleware if m.cls is RequestLogMiddleware]
+        observers = log.kwargs["observers"]
+        assert app.webui.recorder.observe_record in observers
+        assert app.platform.metrics.observe in observers
     finally:
-        platform.db.dispose()
+        store.db.dispose()

@@ -78,14 +78,14 @@ def sse(text: str) -> list[tuple[str, Any]]:
 
 
 async def usage_rows(web: WebEnv) -> list[tuple[int | None, str, str, int]]:
-    recorder = web.app.state.usage
+    recorder = web.app.platform.tenancy.usage
     await recorder.flush()
 
     def read(session: Any) -> list[tuple[int | None, str, str, int]]:
         rows = session.scalars(select(UsageRecord).order_by(UsageRecord.model))
         return [(r.tenant_id, r.model, r.endpoint, r.completion_tokens) for r in rows]
 
-    return web.platform.db.call(read)
+    return web.store.db.call(read)
 
 
 async def test_the_page_lists_a_tenants_models(
@@ -127,7 +127,7 @@ async def test_without_scripts_the_form_shows_both_answers(
         assert ">t30 t31</textarea>" in page.text and '<option value="bot" selected>' in page.text
 
     # one engine request per side: the adapter's by its content hash, both with acme's salt
-    salt = web.platform.db.call(
+    salt = web.store.db.call(
         lambda s: s.scalars(select(Tenant.cache_salt).where(Tenant.name == "acme")).one()
     )
     subs = sorted(web.fake.submitted, key=lambda s: s.lora_key or "")

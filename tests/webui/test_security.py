@@ -201,7 +201,7 @@ async def test_an_idle_session_expires(web: WebEnv) -> None:
 
 async def test_rotating_the_admin_token_signs_browsers_out(tmp_path: Path) -> None:
     env = WebEnv.build(tmp_path, tenancy={"admin_token": None})
-    started = admin_token.ensure(env.platform.db, env.platform.settings)
+    started = admin_token.ensure(env.store.db, env.store.settings)
     assert started.source == "generated" and started.token
     clock = Clock()
     env.webui.sessions = SessionStore(clock=clock)
@@ -210,7 +210,7 @@ async def test_rotating_the_admin_token_signs_browsers_out(tmp_path: Path) -> No
             assert (await sign_in(http, ADMIN_TOKEN)).status_code == 401  # not this database's
             assert location(await sign_in(http, started.token)) == "/admin"
             assert (await http.get("/admin")).status_code == 200
-            env.platform.db.call(lambda s: admin_token.rotate(s, env.platform.settings, "admin"))
+            env.store.db.call(lambda s: admin_token.rotate(s, env.store.settings, "admin"))
             clock.now += 11  # the session re-checks the token at most every 10 s
             assert "notice=expired" in location(await http.get("/admin"))
     finally:

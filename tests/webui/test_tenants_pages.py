@@ -26,12 +26,12 @@ ESCAPED = "&lt;script&gt;alert(1)&lt;/script&gt;"
 
 
 def tenant(web: WebEnv, name: str) -> Tenant | None:
-    with web.platform.db.session() as session:
+    with web.store.db.session() as session:
         return service.get_tenant(session, name)
 
 
 def audit_actions(web: WebEnv) -> list[tuple[str, str]]:
-    with web.platform.db.session() as session:
+    with web.store.db.session() as session:
         rows = session.scalars(select(AuditEvent).order_by(AuditEvent.id))
         return [(e.action, e.actor) for e in rows]
 
@@ -50,7 +50,7 @@ def add_tenants(web: WebEnv, count: int, prefix: str = "tenant") -> None:
         }
         for i in range(count)
     ]
-    with web.platform.db.session() as session:
+    with web.store.db.session() as session:
         session.execute(insert(Tenant), rows)
 
 
@@ -118,7 +118,7 @@ async def test_a_bad_form_comes_back_with_the_message_inline(
         assert f'value="{fields.get("display_name", "Kept")}"' in html  # what was typed stays
         if fields["name"] == XSS:
             assert XSS not in html and f'value="{ESCAPED}"' in html
-    with web.platform.db.session() as session:
+    with web.store.db.session() as session:
         assert session.scalar(select(Tenant.id)) is None
 
 
@@ -221,15 +221,15 @@ async def test_the_list_answers_in_under_300_ms_with_10000_tenants(web: WebEnv) 
 
         # The page's own queries, planned by SQLite: the page of rows walks the name index
         # (no sort of 10,000 rows), with and without a search.
-        event.listen(web.platform.db.engine, "before_cursor_execute", capture)
+        event.listen(web.store.db.engine, "before_cursor_execute", capture)
         try:
             await http.get("/admin/tenants", params={"page": "150"})
             await http.get("/admin/tenants", params={"q": "customer 9"})
         finally:
-            event.remove(web.platform.db.engine, "before_cursor_execute", capture)
+            event.remove(web.store.db.engine, "before_cursor_execute", capture)
     paged = [s for s in statements if "ORDER BY tenants.name" in s]
     assert len(paged) == 2
-    with web.platform.db.engine.connect() as conn:
+    with web.store.db.engine.connect() as conn:
         for statement in paged:
             plan = " | ".join(
                 row[-1]
@@ -360,6 +360,6 @@ async def test_delete_needs_the_name_typed(web: WebEnv) -> None:
         assert "Tenant acme deleted" in listing.text and "No tenants yet" in listing.text
         assert (await http.get("/v1/models", headers=bearer(key))).status_code == 401
     assert tenant(web, "acme") is None
-    with web.platform.db.session() as session:
+    with web.store.db.session() as session:
         assert session.scalar(select(ApiKey.id)) is None
     assert audit_actions(web)[-1] == ("tenant.delete", WEB_ACTOR)

@@ -47,7 +47,7 @@ def web(tmp_path: Path) -> Iterator[WebEnv]:
 def seed(env: WebEnv, today: dt.date) -> dict[str, int]:
     """Usage of two tenants and the operator over the last days, raw rows and a roll-up."""
     noon = dt.datetime.combine(today, dt.time(12), tzinfo=dt.timezone.utc)
-    with env.platform.db.session() as session:
+    with env.store.db.session() as session:
         ids = {
             name: tenants.create_tenant(session, "admin", name, quotas=tenants.Quotas()).id
             for name in ("acme", "beta")
@@ -117,7 +117,7 @@ def db_sums(env: WebEnv, start: dt.date, end: dt.date) -> dict[tuple[str, str, s
                 acc[i] += v
         return out
 
-    return env.platform.db.call(read)
+    return env.store.db.call(read)
 
 
 def page_sums(html: str) -> dict[tuple[str, str, str], list[int]]:
@@ -256,11 +256,11 @@ def test_csv_cells_are_never_formulas() -> None:
 async def test_a_deleted_tenants_usage_goes_with_it(web: WebEnv, today: dt.date) -> None:
     """Rows of a tenant deleted since are gone with it; the operator's rows stay."""
     ids = seed(web, today)
-    with web.platform.db.session() as session:
+    with web.store.db.session() as session:
         tenants.delete_tenant(session, "admin", session.get(Tenant, ids["beta"]))
     async with web.http() as http:
         await sign_in(http)
         sums = page_sums((await http.get("/admin/usage")).text)
     assert {t for _, t, _ in sums} == {"acme", "(operator)"}
-    count = web.platform.db.call(lambda s: s.scalar(select(func.count()).select_from(UsageRecord)))
+    count = web.store.db.call(lambda s: s.scalar(select(func.count()).select_from(UsageRecord)))
     assert count == 8  # beta's two rows went with it

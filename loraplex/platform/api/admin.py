@@ -17,18 +17,17 @@ import logging
 from functools import partial
 from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StrictInt
 from sqlalchemy.orm import Session
 
-from loraplex.engine.client import EngineClient
 from loraplex.platform import audit, tenants, usage
 from loraplex.platform.access import operator_caller
 from loraplex.platform.auth import Caller
 from loraplex.platform.db.models import ApiKey, Tenant, utcnow
+from loraplex.platform.deps import ClientDep, StoreDep, TenantsDep, UsageDep
 from loraplex.platform.errors import APIError, clip, engine_unavailable
 from loraplex.platform.keys import display_key
-from loraplex.platform.tenancy import Platform, tenant_deleted, tenant_limits_changed
 
 logger = logging.getLogger(__name__)
 
@@ -153,15 +152,6 @@ class Deleted(BaseModel):
 # ---- helpers -----------------------------------------------------------------------------------
 
 
-def _platform(request: Request) -> Platform:
-    platform: Platform = request.app.state.platform
-    return platform
-
-
-async def _db(request: Request, fn: Any) -> Any:
-    return await _platform(request).db.run(fn)
-
-
 def _check_page(offset: int, limit: int) -> None:
     if not 0 <= offset <= MAX_OFFSET:
         raise APIError(
@@ -178,7 +168,7 @@ def _check_page(offset: int, limit: int) -> None:
 
 @router.get("/tenants", response_model=TenantList)
 async def list_tenants(
-    request: Request,
+    store: StoreDep,
     search: str = Query("", max_length=200, description="part of the name or display name"),
     offset: int = 0,
     limit: int = 50,
@@ -192,12 +182,12 @@ async def list_tenants(
             data=[TenantView.of(t) for t in rows], total=total, offset=offset, limit=limit
         )
 
-    result: TenantList = await _db(request, read)
+    result: TenantList = await store.db.run(read)
     return result
 
 
 @router.post("/tenants", response_model=TenantView, status_code=201)
-async def create_tenant(request: Request, body: TenantCreate, caller: Caller = operator) -> Any:
+async def create_tenant(store: StoreDep, body: TenantCreate, caller: Caller = operator) -> Any:
     quotas = body.quotas or QuotasBody()
 
     def create(session: Session) -> TenantView:
@@ -210,53 +200,37 @@ async def create_tenant(request: Request, body: TenantCreate, caller: Caller = o
         )
         return TenantView.of(tenant)
 
-    return await _db(request, create)
+    return await store.db.run(create)
 
 
 @router.get("/tenants/{tenant}", response_model=TenantView)
-async def get_tenant(request: Request, tenant: str, caller: Caller = operator) -> Any:
-    return await _db(request, lambda s: TenantView.of(tenants.require_tenant(s, tenant)))
+async def get_tenant(store: StoreDep, tenant: str, caller: Caller = operator) -> Any:
+    return await store.db.run(lambda s: TenantView.of(tenants.require_tenant(s, tenant)))
 
 
 @router.patch("/tenants/{tenant}", response_model=TenantView)
 async def update_tenant(
-    request: Request, tenant: str, body: TenantUpdate, caller: Caller = operator
+    service: TenantsDep, tenant: str, body: TenantUpdate, caller: Caller = operator
 ) -> Any:
     """Change the fields given; ``status`` "suspended" refuses the tenant's keys from their next
     request, "active" resumes them."""
     changed_quotas = None
     if body.quotas is not None:
         changed_quotas = {f: getattr(body.quotas, f) for f in body.quotas.model_fields_set}
-
-    def update(session: Session) -> tuple[int, TenantView]:
-        row = tenants.require_tenant(session, tenant)
-        tenants.update_tenant(
-            session,
-            caller.id,
-            row,
-            display_name=body.display_name,
-            status=body.status,
-            quotas=changed_quotas,
-        )
-        return row.id, TenantView.of(row)
-
-    tenant_id, view = await _db(request, update)
-    tenant_limits_changed(request.app, tenant_id)
-    return view
+    change = await service.update(
+        caller.id,
+        tenant,
+        display_name=body.display_name,
+        status=body.status,
+        quotas=changed_quotas,
+    )
+    return TenantView.of(change.tenant)
 
 
 @router.delete("/tenants/{tenant}", response_model=Deleted)
-async def delete_tenant(request: Request, tenant: str, caller: Caller = operator) -> Deleted:
+async def delete_tenant(service: TenantsDep, tenant: str, caller: Caller = operator) -> Deleted:
     """The tenant, its keys, adapters and usage rows; its audit events stay."""
-
-    def delete(session: Session) -> int:
-        row = tenants.require_tenant(session, tenant)
-        tenant_id = row.id
-        tenants.delete_tenant(session, caller.id, row)
-        return tenant_id
-
-    tenant_id: int = await _db(request, delete)
-    await tenant_deleted(request.app, tenant_id)
+    await service.delete(caller.id, tenant)
     return Deleted(id=tenant, object="tenant")
 
 
@@ -265,7 +239,7 @@ async def delete_tenant(request: Request, tenant: str, caller: Caller = operator
 
 @router.post("/tenants/{tenant}/keys", response_model=NewKeyView, status_code=201)
 async def create_key(
-    request: Request, tenant: str, body: KeyCreate, caller: Caller = operator
+    store: StoreDep, tenant: str, body: KeyCreate, caller: Caller = operator
 ) -> Any:
     """A new key; the response's ``key`` is the only time the secret is shown."""
     now = utcnow()
@@ -298,23 +272,23 @@ async def create_key(
         )
         return NewKeyView(**KeyView.of(key, now).model_dump(exclude={"object"}), key=new.token)
 
-    return await _db(request, create)
+    return await store.db.run(create)
 
 
 @router.get("/tenants/{tenant}/keys", response_model=KeyList)
-async def list_keys(request: Request, tenant: str, caller: Caller = operator) -> Any:
+async def list_keys(store: StoreDep, tenant: str, caller: Caller = operator) -> Any:
     now = utcnow()
 
     def read(session: Session) -> KeyList:
         row = tenants.require_tenant(session, tenant)
         return KeyList(data=[KeyView.of(k, now) for k in tenants.list_keys(session, row)])
 
-    return await _db(request, read)
+    return await store.db.run(read)
 
 
 @router.delete("/tenants/{tenant}/keys/{public_id}", response_model=KeyView)
 async def revoke_key(
-    request: Request, tenant: str, public_id: str, caller: Caller = operator
+    store: StoreDep, tenant: str, public_id: str, caller: Caller = operator
 ) -> Any:
     """Revoke (idempotent): the key is refused from its next request on."""
 
@@ -322,22 +296,16 @@ async def revoke_key(
         row = tenants.require_tenant(session, tenant)
         return KeyView.of(tenants.revoke_key(session, caller.id, row, public_id), utcnow())
 
-    return await _db(request, revoke)
+    return await store.db.run(revoke)
 
 
 # ---- usage, audit, engine ----------------------------------------------------------------------
 
 
-async def _flush_usage(request: Request) -> None:
-    """Reports include the rows still buffered in the recorder."""
-    recorder = usage.get_recorder(request)
-    if recorder is not None:
-        await recorder.flush()
-
-
 @router.get("/tenants/{tenant}/usage", response_model=usage.UsageReport)
 async def tenant_usage(
-    request: Request,
+    store: StoreDep,
+    recorder: UsageDep,
     tenant: str,
     start: str | None = None,
     end: str | None = None,
@@ -345,28 +313,32 @@ async def tenant_usage(
 ) -> Any:
     """One tenant's usage by day and model (``start``/``end``: UTC days, both included)."""
     days = usage.parse_range(start, end)
-    await _flush_usage(request)
+    await recorder.flush()  # read your own writes: the rows still buffered count too
 
     def read(session: Session) -> usage.UsageReport:
         row = tenants.require_tenant(session, tenant)
         return usage.tenant_usage(session, row.id, days)
 
-    return await _db(request, read)
+    return await store.db.run(read)
 
 
 @router.get("/usage", response_model=usage.UsageReport)
 async def all_usage(
-    request: Request, start: str | None = None, end: str | None = None, caller: Caller = operator
+    store: StoreDep,
+    recorder: UsageDep,
+    start: str | None = None,
+    end: str | None = None,
+    caller: Caller = operator,
 ) -> Any:
     """Every tenant's usage by day, tenant and model."""
     days = usage.parse_range(start, end)
-    await _flush_usage(request)
-    return await _db(request, partial(usage.all_usage, days=days))
+    await recorder.flush()  # read your own writes: the rows still buffered count too
+    return await store.db.run(partial(usage.all_usage, days=days))
 
 
 @router.get("/audit")
 async def audit_log(
-    request: Request,
+    store: StoreDep,
     tenant: str | None = None,
     action: str | None = Query(None, description="exact, or a prefix: 'key.' or 'key.*'"),
     actor: str | None = None,
@@ -380,18 +352,17 @@ async def audit_log(
     filters = audit.parse_filter(
         tenant=tenant, action=action, actor=actor, since=since, until=until
     )
-    result: dict[str, Any] = await _db(
-        request, partial(audit.page, filters=filters, limit=limit, before_id=before_id)
+    result: dict[str, Any] = await store.db.run(
+        partial(audit.page, filters=filters, limit=limit, before_id=before_id)
     )
     return result
 
 
 @router.get("/engine")
-async def engine_state(request: Request, caller: Caller = operator) -> dict[str, Any]:
+async def engine_state(client: ClientDep, caller: Caller = operator) -> dict[str, Any]:
     """The engine now: running and waiting requests, KV cache use, prefix-cache hit rate,
     adapters per tier (device slots, host cache, registered), and the raw stats. 503 with the
     reason when the engine does not answer."""
-    client: EngineClient = request.app.state.serving.client
     if not client.healthy:
         raise engine_unavailable("it is not running; it may be restarting")
     try:

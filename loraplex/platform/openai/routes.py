@@ -14,6 +14,7 @@ from starlette.responses import Response
 from loraplex.engine.client import EngineClient
 from loraplex.platform.access import inference_caller, operator_caller
 from loraplex.platform.auth import Caller
+from loraplex.platform.deps import ServingDep
 from loraplex.platform.errors import APIError, model_not_found
 from loraplex.platform.model_resolver import ModelEntry, ModelResolver
 from loraplex.platform.openai.protocol import (
@@ -30,7 +31,6 @@ from loraplex.platform.openai.protocol import (
     UnloadLoRARequest,
     Version,
 )
-from loraplex.platform.openai.serving import OpenAIServing
 from loraplex.platform.request_log import request_record
 
 public_router = APIRouter()
@@ -52,11 +52,6 @@ _HEALTH_STATS = (
 )
 
 
-def _serving(request: Request) -> OpenAIServing:
-    serving: OpenAIServing = request.app.state.serving
-    return serving
-
-
 def _card(entry: ModelEntry, max_model_len: int) -> ModelCard:
     return ModelCard(
         id=entry.name,
@@ -68,15 +63,13 @@ def _card(entry: ModelEntry, max_model_len: int) -> ModelCard:
 
 
 @inference_router.get("/v1/models", response_model=ModelList)
-async def list_models(request: Request, caller: Caller = inference) -> ModelList:
-    serving = _serving(request)
+async def list_models(serving: ServingDep, caller: Caller = inference) -> ModelList:
     limit = serving.client.info.max_model_len
     return ModelList(data=[_card(e, limit) for e in await serving.resolver.models(caller)])
 
 
 @inference_router.get("/v1/models/{name:path}", response_model=ModelCard)
-async def retrieve_model(name: str, request: Request, caller: Caller = inference) -> ModelCard:
-    serving = _serving(request)
+async def retrieve_model(name: str, serving: ServingDep, caller: Caller = inference) -> ModelCard:
     for entry in await serving.resolver.models(caller):
         if entry.name == name:
             return _card(entry, serving.client.info.max_model_len)
@@ -85,9 +78,13 @@ async def retrieve_model(name: str, request: Request, caller: Caller = inference
 
 @inference_router.post("/v1/completions", response_model=CompletionResponse)
 async def create_completion(
-    body: CompletionRequest, request: Request, response: Response, caller: Caller = inference
+    body: CompletionRequest,
+    request: Request,
+    response: Response,
+    serving: ServingDep,
+    caller: Caller = inference,
 ) -> CompletionResponse | Response:
-    result = await _serving(request).completions(body, caller, request)
+    result = await serving.completions(body, caller, request)
     response.headers["X-Request-Id"] = request_record(request).request_id or ""
     response.headers.update(getattr(request.state, "rate_limit_headers", {}))
     return result
@@ -98,9 +95,10 @@ async def create_chat_completion(
     body: ChatCompletionRequest,
     request: Request,
     response: Response,
+    serving: ServingDep,
     caller: Caller = inference,
 ) -> ChatCompletionResponse | Response:
-    result = await _serving(request).chat(body, caller, request)
+    result = await serving.chat(body, caller, request)
     response.headers["X-Request-Id"] = request_record(request).request_id or ""
     response.headers.update(getattr(request.state, "rate_limit_headers", {}))
     return result
@@ -108,9 +106,8 @@ async def create_chat_completion(
 
 @operator_lora_router.post("/v1/load_lora_adapter", response_model=AdapterCard)
 async def load_lora_adapter(
-    body: LoadLoRARequest, request: Request, caller: Caller = operator
+    body: LoadLoRARequest, request: Request, serving: ServingDep, caller: Caller = operator
 ) -> AdapterCard:
-    serving = _serving(request)
     resolver: ModelResolver = serving.resolver
     request_record(request).caller = caller.id
     async with resolver.lock:
@@ -135,9 +132,8 @@ async def load_lora_adapter(
 
 @operator_lora_router.post("/v1/unload_lora_adapter", response_model=Deleted)
 async def unload_lora_adapter(
-    body: UnloadLoRARequest, request: Request, caller: Caller = operator
+    body: UnloadLoRARequest, request: Request, serving: ServingDep, caller: Caller = operator
 ) -> Deleted:
-    serving = _serving(request)
     resolver = serving.resolver
     request_record(request).caller = caller.id
     async with resolver.lock:
@@ -158,9 +154,9 @@ async def unload_lora_adapter(
 
 
 @public_router.get("/health", response_model=Health)
-async def health(request: Request) -> Health | Response:
+async def health(serving: ServingDep) -> Health | Response:
     """200 while the engine serves, 503 otherwise; no credentials needed (load balancers)."""
-    client: EngineClient = _serving(request).client
+    client: EngineClient = serving.client
     engine: dict[str, object] = {"healthy": client.healthy}
     healthy = client.healthy
     if healthy:

@@ -57,7 +57,7 @@ from loraplex.platform.openai.protocol import (
 )
 from loraplex.platform.openai.sse import DONE, SSEResponse, sse
 from loraplex.platform.openai.unsupported import refuse_unsupported
-from loraplex.platform.quotas import estimate_tokens, get_quotas
+from loraplex.platform.quotas import QuotaManager, estimate_tokens
 from loraplex.platform.request_log import CLIENT_CLOSED, RequestRecord, request_record
 from loraplex.sampling_params import SamplingParams
 
@@ -81,10 +81,14 @@ class OpenAIServing:
         resolver: ModelResolver,
         config: ServingConfig,
         tokenizer: Any | None = None,
+        *,
+        quotas: QuotaManager | None = None,
     ) -> None:
+        """``quotas``: the platform's (None: no quotas, the single-operator server)."""
         self.client = client
         self.resolver = resolver
         self.config = config
+        self.quotas = quotas
         self._tokenizer = tokenizer
         self._tokenizer_lock = asyncio.Lock()
         self._token_text: dict[int, str] = {}
@@ -322,7 +326,7 @@ class OpenAIServing:
         """Take the caller's quotas (429 when over) before anything reaches the engine; the
         slot is released by the quota manager's request observer when the request ends. Returns
         the ``x-ratelimit-*`` headers for the response."""
-        quotas = get_quotas(request)
+        quotas = self.quotas
         if quotas is None:
             return {}
         estimate = estimate_tokens(

@@ -40,7 +40,7 @@ class RegistryModels:
         tenant_id = parse_tenant_id(caller.tenant_id)
         if tenant_id is None:
             return []
-        base = self.registry.resolver.base_name
+        base = self.registry.base_name()
         entries: list[ModelEntry] = []
         for adapter in await self.registry.list_adapters(tenant_id):
             ready = [v for v in adapter.versions if v.status == "ready"]

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from loraplex.platform import tenants
 from loraplex.platform.access import OperatorCaller, TenantCaller, TenantWriter
 from loraplex.platform.auth import Caller
+from loraplex.platform.deps import RegistryDep
 from loraplex.platform.errors import PERMISSION, APIError
 from loraplex.platform.registry.records import AdapterView, VersionView
 from loraplex.platform.registry.service import Registry, parse_tenant_id
@@ -92,11 +93,6 @@ def _card(view: AdapterView, base: str) -> AdapterCard:
     )
 
 
-def _registry(request: Request) -> Registry:
-    registry: Registry = request.app.state.registry
-    return registry
-
-
 def _own_tenant(caller: Caller) -> int:
     tenant_id = parse_tenant_id(caller.tenant_id)
     if tenant_id is None:
@@ -126,7 +122,7 @@ async def _upload(request: Request, registry: Registry, tenant_id: int, actor: s
             view = await registry.upload(tenant_id, actor, received, work_dir)
         finally:
             registry.storage.discard(work_dir)
-    return _card(view, registry.resolver.base_name)
+    return _card(view, registry.base_name())
 
 
 async def _delete(registry: Registry, tenant_id: int, actor: str, ref: str) -> AdapterDeleted:
@@ -141,32 +137,32 @@ async def _delete(registry: Registry, tenant_id: int, actor: str, ref: str) -> A
 
 
 @tenant_router.post("/v1/adapters", response_model=AdapterCard, status_code=201)
-async def upload_adapter(request: Request, caller: TenantWriter) -> AdapterCard:
+async def upload_adapter(
+    request: Request, registry: RegistryDep, caller: TenantWriter
+) -> AdapterCard:
     """Multipart: ``name``, optional ``description``, and the adapter as
     ``adapter_config.json`` + ``adapter_model.safetensors`` or one .zip / .tar.gz / .tar."""
     tenant_id = _own_tenant(caller)
-    return await _upload(request, _registry(request), tenant_id, caller.id)
+    return await _upload(request, registry, tenant_id, caller.id)
 
 
 @tenant_router.get("/v1/adapters", response_model=AdapterList)
-async def list_adapters(request: Request, caller: TenantCaller) -> AdapterList:
-    registry = _registry(request)
+async def list_adapters(registry: RegistryDep, caller: TenantCaller) -> AdapterList:
     views = await registry.list_adapters(_own_tenant(caller))
-    return AdapterList(data=[_card(v, registry.resolver.base_name) for v in views])
+    return AdapterList(data=[_card(v, registry.base_name()) for v in views])
 
 
 @tenant_router.get("/v1/adapters/{ref}", response_model=AdapterCard)
-async def get_adapter(ref: str, request: Request, caller: TenantCaller) -> AdapterCard:
+async def get_adapter(ref: str, registry: RegistryDep, caller: TenantCaller) -> AdapterCard:
     """``name`` (every version) or ``name@N`` (that version)."""
-    registry = _registry(request)
     view = await registry.get_adapter(_own_tenant(caller), ref)
-    return _card(view, registry.resolver.base_name)
+    return _card(view, registry.base_name())
 
 
 @tenant_router.delete("/v1/adapters/{ref}", response_model=AdapterDeleted)
-async def delete_adapter(ref: str, request: Request, caller: TenantWriter) -> AdapterDeleted:
+async def delete_adapter(ref: str, registry: RegistryDep, caller: TenantWriter) -> AdapterDeleted:
     """``name`` deletes every version; ``name@N`` one version (the last one: the adapter)."""
-    return await _delete(_registry(request), _own_tenant(caller), caller.id, ref)
+    return await _delete(registry, _own_tenant(caller), caller.id, ref)
 
 
 # ---- the operator, for any tenant --------------------------------------------------------------
@@ -176,31 +172,29 @@ async def delete_adapter(ref: str, request: Request, caller: TenantWriter) -> Ad
     "/admin/api/tenants/{tenant}/adapters", response_model=AdapterCard, status_code=201
 )
 async def admin_upload_adapter(
-    tenant: str, request: Request, caller: OperatorCaller
+    tenant: str, request: Request, registry: RegistryDep, caller: OperatorCaller
 ) -> AdapterCard:
-    registry = _registry(request)
     return await _upload(request, registry, await _tenant_named(registry, tenant), caller.id)
 
 
 @operator_router.get("/admin/api/tenants/{tenant}/adapters", response_model=AdapterList)
-async def admin_list_adapters(tenant: str, request: Request, caller: OperatorCaller) -> AdapterList:
-    registry = _registry(request)
+async def admin_list_adapters(
+    tenant: str, registry: RegistryDep, caller: OperatorCaller
+) -> AdapterList:
     views = await registry.list_adapters(await _tenant_named(registry, tenant))
-    return AdapterList(data=[_card(v, registry.resolver.base_name) for v in views])
+    return AdapterList(data=[_card(v, registry.base_name()) for v in views])
 
 
 @operator_router.get("/admin/api/tenants/{tenant}/adapters/{ref}", response_model=AdapterCard)
 async def admin_get_adapter(
-    tenant: str, ref: str, request: Request, caller: OperatorCaller
+    tenant: str, ref: str, registry: RegistryDep, caller: OperatorCaller
 ) -> AdapterCard:
-    registry = _registry(request)
     view = await registry.get_adapter(await _tenant_named(registry, tenant), ref)
-    return _card(view, registry.resolver.base_name)
+    return _card(view, registry.base_name())
 
 
 @operator_router.delete("/admin/api/tenants/{tenant}/adapters/{ref}", response_model=AdapterDeleted)
 async def admin_delete_adapter(
-    tenant: str, ref: str, request: Request, caller: OperatorCaller
+    tenant: str, ref: str, registry: RegistryDep, caller: OperatorCaller
 ) -> AdapterDeleted:
-    registry = _registry(request)
     return await _delete(registry, await _tenant_named(registry, tenant), caller.id, ref)

@@ -60,8 +60,7 @@ from loraplex.platform.registry.validate import (
 
 if TYPE_CHECKING:
     from loraplex.lora.adapter import BaseModelInfo
-    from loraplex.platform.model_resolver import ModelResolver
-    from loraplex.platform.tenancy import Platform
+    from loraplex.platform.store import Store
 
 logger = logging.getLogger(__name__)
 
@@ -72,13 +71,14 @@ MAX_DESCRIPTION = 2000
 
 
 class Registry:
-    def __init__(self, platform: Platform, client: EngineClient, resolver: ModelResolver) -> None:
-        self.db = platform.db
-        self.settings = platform.settings
-        self.storage = AdapterStorage(platform.data_dir)
-        self.upload_slots = UploadSlots(platform.settings.max_concurrent_uploads)
+    def __init__(self, store: Store, client: EngineClient, base_name: Callable[[], str]) -> None:
+        """``base_name``: the base model's name in the API (no adapter may take it)."""
+        self.db = store.db
+        self.settings = store.settings
+        self.storage = AdapterStorage(store.data_dir)
+        self.upload_slots = UploadSlots(store.settings.max_concurrent_uploads)
         self.client = client
-        self.resolver = resolver  # the base model's name; the operator's own adapters
+        self.base_name = base_name
         self._lock = asyncio.Lock()  # version rows and stored files change together under it
         self._loading: dict[str, asyncio.Lock] = {}
         self._removals: set[asyncio.Task[None]] = set()  # files waiting for their engine copy
@@ -270,7 +270,7 @@ class Registry:
     ) -> AdapterView:
         """Register the upload in ``work_dir`` (received by ``receive_upload``) as the next
         version of its name. The caller removes ``work_dir`` afterwards, whatever happens."""
-        name = check_adapter_name(received.fields.get("name", ""), self.resolver.base_name)
+        name = check_adapter_name(received.fields.get("name", ""), self.base_name())
         description = received.fields.get("description")
         if description is not None and len(description) > MAX_DESCRIPTION:
             raise APIError(

@@ -1,0 +1,158 @@
+"""The platform's components, built once, by constructors: ``Platform.build``.
+
+    Platform                       every server
+      settings, client, resolver, serving (OpenAI API), metrics, authenticator
+      tenancy: Tenancy | None      the multi-tenant platform (a ``Store``: database + files)
+        quotas, usage, registry, tenants (TenantService), authenticator (tenant keys + admin)
+
+Nothing is wired after construction: each component gets what it uses when it is built, the
+request log's observers are listed here (``observers``), and ``lifespan`` is the one place that
+starts and stops what runs in the background. Routes reach components through ``deps``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from loraplex.engine.client import EngineClient
+from loraplex.platform.admin_token import AdminCredential
+from loraplex.platform.auth import Authenticator, OperatorKeyAuthenticator
+from loraplex.platform.metrics import PlatformMetrics
+from loraplex.platform.model_resolver import ModelResolver, ServedName
+from loraplex.platform.openai.serving import OpenAIServing, ServingConfig
+from loraplex.platform.quotas import QuotaManager
+from loraplex.platform.registry.resolver import RegistryModels
+from loraplex.platform.registry.service import Registry
+from loraplex.platform.request_log import RecordObserver
+from loraplex.platform.settings import ServerSettings, load_settings
+from loraplex.platform.store import Store
+from loraplex.platform.tenant_auth import TenantAuthenticator
+from loraplex.platform.tenants import TenantService
+from loraplex.platform.usage import RETENTION_INTERVAL_S, UsageRecorder, retention_loop
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Tenancy:
+    """The multi-tenant platform's components, on one ``Store``."""
+
+    store: Store
+    quotas: QuotaManager
+    usage: UsageRecorder
+    registry: Registry
+    tenants: TenantService
+    authenticator: TenantAuthenticator
+
+    @classmethod
+    def build(cls, store: Store, client: EngineClient, base_name: ServedName) -> Tenancy:
+        registry = Registry(store, client, base_name)
+        registry.recover()  # before the first request: what a crash left behind
+        quotas = QuotaManager(store.db)
+        return cls(
+            store=store,
+            quotas=quotas,
+            usage=UsageRecorder(store.db),
+            registry=registry,
+            tenants=TenantService(store.db, quotas, registry),
+            authenticator=TenantAuthenticator(store.db, AdminCredential(store.settings)),
+        )
+
+
+@dataclass(frozen=True)
+class Platform:
+    settings: ServerSettings
+    client: EngineClient
+    resolver: ModelResolver
+    serving: OpenAIServing
+    metrics: PlatformMetrics
+    authenticator: Authenticator  # who is calling (tenant keys and the admin token, or one key)
+    tenancy: Tenancy | None = None  # None: the single-operator server (--no-platform)
+
+    @classmethod
+    def build(
+        cls,
+        client: EngineClient,
+        settings: ServerSettings | None = None,
+        *,
+        store: Store | None = None,
+        tokenizer: object | None = None,
+        authenticator: Authenticator | None = None,
+    ) -> Platform:
+        """``store``: the platform's database and files (None: the single-operator server,
+        with ``settings.api_key`` as its one credential). ``tokenizer``: the base model's
+        (default: loaded from the engine's model directory on first use). ``authenticator``:
+        replaces the default one (tests)."""
+        settings = settings or load_settings()
+        base_name = ServedName(settings.served_model_name, client)
+        tenancy = Tenancy.build(store, client, base_name) if store is not None else None
+        resolver = ModelResolver(
+            base_name,
+            tenant_models=RegistryModels(tenancy.registry) if tenancy is not None else None,
+            share_base_prefix_cache=store is not None and store.settings.share_prefix_cache,
+        )
+        config = ServingConfig(
+            max_n=settings.max_n,
+            max_prompts=settings.max_prompts,
+            default_max_tokens=settings.default_max_tokens,
+        )
+        quotas = tenancy.quotas if tenancy is not None else None
+        serving = OpenAIServing(client, resolver, config, tokenizer, quotas=quotas)
+        if authenticator is None:
+            if tenancy is not None:
+                authenticator = tenancy.authenticator
+            else:
+                key = settings.api_key.get_secret_value() if settings.api_key else None
+                authenticator = OperatorKeyAuthenticator(key)
+        return cls(
+            settings=settings,
+            client=client,
+            resolver=resolver,
+            serving=serving,
+            metrics=PlatformMetrics(client),
+            authenticator=authenticator,
+            tenancy=tenancy,
+        )
+
+    @property
+    def observers(self) -> tuple[RecordObserver, ...]:
+        """What sees every finished request (``RequestLogMiddleware``): the metrics, and on
+        the platform the quotas (the lease ends) and the usage rows."""
+        if self.tenancy is None:
+            return (self.metrics.observe,)
+        return (self.metrics.observe, self.tenancy.quotas.observe, self.tenancy.usage.observe)
+
+    @asynccontextmanager
+    async def lifespan(self, *, own_client: bool) -> AsyncIterator[None]:
+        """Start what runs while serving (the engine when ``own_client``, the usage retention)
+        and stop it afterwards, flushing the usage rows still buffered."""
+        if own_client:
+            await self.client.start()
+        retention: asyncio.Task[None] | None = None
+        try:
+            try:  # before the first request: loading it (transformers, torch) holds the GIL
+                await self.serving.tokenizer()
+            except Exception as exc:  # the first request that needs it reports the problem
+                logger.warning("the base model's tokenizer could not be loaded yet: %s", exc)
+            if self.tenancy is not None:
+                retention = asyncio.create_task(
+                    retention_loop(
+                        self.tenancy.store.db,
+                        self.tenancy.store.settings.usage_retention_days,
+                        RETENTION_INTERVAL_S,
+                    ),
+                    name="usage-retention",
+                )
+            yield
+        finally:
+            if retention is not None:
+                retention.cancel()
+                await asyncio.gather(retention, return_exceptions=True)
+            if self.tenancy is not None:
+                await self.tenancy.usage.close()
+            if own_client:
+                await self.client.shutdown()

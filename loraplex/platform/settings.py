@@ -1,0 +1,93 @@
+"""The platform's settings, each from ``LORAPLEX_<NAME>`` environment variables (then flags):
+``ServerSettings`` for the HTTP server and the OpenAI API, ``TenancySettings`` for the
+multi-tenant platform (database, data directory, uploads, usage retention).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from loraplex.platform.db.database import sqlite_url
+
+
+class ServerSettings(BaseSettings):
+    """The HTTP server's settings; environment variables ``LORAPLEX_<NAME>`` override them."""
+
+    model_config = SettingsConfigDict(env_prefix="LORAPLEX_", extra="ignore", frozen=True)
+
+    served_model_name: str | None = Field(
+        None, min_length=1, description="the base model's name in the API (default: its dir name)"
+    )
+    api_key: SecretStr | None = Field(
+        None, description="operator key for 'Authorization: Bearer'; None = open server"
+    )
+    metrics_token: SecretStr | None = Field(
+        None, description="token that may read /metrics (besides admin callers)"
+    )
+    max_request_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=1024,
+        le=1024**3,
+        description="largest request body accepted (bytes); larger ones get 413 unread. The "
+        "default holds the largest useful request at an 8k context (64 prompts of 8,192 token "
+        "ids); raise it for longer contexts",
+    )
+    default_max_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="max_tokens of a chat request that sets neither max_tokens nor "
+        "max_completion_tokens (cut to the room the prompt leaves); None: up to the context. "
+        "/v1/completions always defaults to 16, as OpenAI does",
+    )
+    max_n: int = Field(16, ge=1, le=256)
+    max_prompts: int = Field(64, ge=1, le=4096)
+
+    @field_validator("metrics_token")
+    @classmethod
+    def _non_empty(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value():
+            raise ValueError("metrics_token must not be empty; leave it unset for none")
+        return value
+
+
+def load_settings(**overrides: Any) -> ServerSettings:
+    """Settings from the environment, then ``overrides`` (CLI flags; None values are skipped)."""
+    return ServerSettings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "loraplex"
+
+
+class TenancySettings(BaseSettings):
+    """Platform settings; environment variables ``LORAPLEX_<NAME>`` override them."""
+
+    model_config = SettingsConfigDict(env_prefix="LORAPLEX_", extra="ignore", frozen=True)
+
+    data_dir: Path = Field(default_factory=default_data_dir, description="database and adapters")
+    database_url: str | None = Field(None, description="any SQLAlchemy URL; default SQLite file")
+    admin_token: SecretStr | None = Field(
+        None, description="the operator's credential; generated and printed once when unset"
+    )
+    share_prefix_cache: bool = Field(
+        False, description="let tenants share prefix-cache blocks of the base model"
+    )
+    max_adapter_bytes: int = Field(512 * 1024 * 1024, ge=1024, description="per upload")
+    max_adapters_per_tenant: int = Field(
+        100, ge=1, description="adapters per tenant unless the tenant's own limit is set"
+    )
+    max_concurrent_uploads: int = Field(
+        2, ge=1, le=256, description="uploads received and validated at once; more get 429"
+    )
+    usage_retention_days: int = Field(30, ge=1, description="raw usage rows; roll-ups stay")
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or sqlite_url(self.data_dir / "loraplex.db")
