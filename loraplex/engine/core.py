@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from loraplex.config import EngineConfig
+from loraplex.engine.client import EngineInfo
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.records import EngineCoreOutput
 from loraplex.engine.request import Request
@@ -17,6 +18,40 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
+    @classmethod
+    def build(
+        cls, config: EngineConfig, model_dir: str, tokenizer: Any | None = None
+    ) -> tuple[EngineCore, EngineInfo]:
+        """The engine factory: build the core and describe it. EOS ids: the model's plus the
+        tokenizer's (loaded from ``model_dir`` when not given), so every client stops where
+        ``LLM.generate`` stops."""
+        core = cls(config, model_dir)
+        eos = list(core.runner.spec.eos_token_ids)
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            except Exception:  # a directory without a tokenizer still serves token ids
+                tokenizer = None
+        tok_eos = getattr(tokenizer, "eos_token_id", None)
+        if isinstance(tok_eos, int) and tok_eos not in eos:
+            eos.append(tok_eos)
+        lora = config.lora
+        info = EngineInfo(
+            model_dir=model_dir,
+            max_model_len=core.max_model_len,
+            vocab_size=core.vocab_size,
+            eos_token_ids=tuple(eos),
+            block_size=core.kv.block_size,
+            num_blocks=core.kv.num_usable_blocks,
+            max_lora_rank=lora.max_lora_rank,
+            max_loras=lora.max_loras,
+            max_cpu_loras=lora.max_cpu_loras,
+            lora_target_modules=core.lora_target_modules,
+        )
+        return core, info
+
     def __init__(self, config: EngineConfig, model_dir: str):
         self.config = config
         self.runner = ModelRunner(

@@ -20,7 +20,6 @@ from loraplex.engine.client import (
     EngineStartupError,
     StreamingClient,
 )
-from loraplex.engine.proc_main import load_core
 from loraplex.engine.request import Request
 
 if TYPE_CHECKING:
@@ -47,8 +46,12 @@ class InprocEngineClient(StreamingClient):
     async def start(self) -> None:
         if self._started:
             return
+        from loraplex.engine.core import EngineCore  # torch: only once the engine starts
+
         try:
-            self._core, self.info = await self._in_thread(load_core, self.config, self.model_dir)
+            self._core, self.info = await self._in_thread(
+                EngineCore.build, self.config, self.model_dir
+            )
         except Exception as exc:
             raise EngineStartupError(
                 f"could not start the engine on {self.model_dir}: {type(exc).__name__}: {exc}"

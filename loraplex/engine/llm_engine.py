@@ -11,7 +11,6 @@ from loraplex.config import EngineConfig
 from loraplex.engine.client import build_core_requests, validate_prompt
 from loraplex.engine.default_model import resolve_model_dir
 from loraplex.engine.output_processor import OutputProcessor
-from loraplex.engine.proc_main import load_core
 from loraplex.outputs import RequestOutput
 from loraplex.sampling_params import SamplingParams
 
@@ -32,7 +31,9 @@ class LLMEngine:
         self.config = config
         self.model_dir = resolve_model_dir(config.model.model)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.core, self.info = load_core(config, self.model_dir, self.tokenizer)
+        from loraplex.engine.core import EngineCore  # torch: only once an engine is built
+
+        self.core, self.info = EngineCore.build(config, self.model_dir, self.tokenizer)
         self.eos_token_ids = frozenset(self.info.eos_token_ids)
         self.processor = OutputProcessor(self.tokenizer)
         self.load_seconds = time.perf_counter() - start

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, TypeVar
 
 from loraplex.config import EngineConfig
 from loraplex.engine.client import (
@@ -36,12 +36,16 @@ from loraplex.engine.client import (
 from loraplex.engine.proc_main import (
     AbortRequests,
     AdapterSpec,
+    AddLoRA,
     AddRequests,
     Call,
     Command,
+    EngineCall,
+    GetStats,
     Message,
     Outputs,
     Ready,
+    RemoveLoRA,
     Reply,
     RequestFailed,
     Shutdown,
@@ -54,6 +58,7 @@ from loraplex.engine.request import Request
 logger = logging.getLogger(__name__)
 
 _MAX_RESTART_DELAY_S = 30.0
+R = TypeVar("R")
 
 
 class _Channel:
@@ -328,7 +333,7 @@ class ProcEngineClient(StreamingClient):
         with contextlib.suppress(EngineDeadError):  # a dead engine holds no blocks
             self._send(AbortRequests(sample_ids))
 
-    async def _call(self, method: Any, *args: Any) -> Any:
+    async def _call(self, call: EngineCall[R]) -> R:
         if not self._started:
             raise RuntimeError("the engine client is not started; await start() first")
         if not self._healthy:
@@ -338,22 +343,22 @@ class ProcEngineClient(StreamingClient):
         fut: asyncio.Future[Any] = self._loop.create_future()
         self._calls[call_id] = fut
         try:
-            self._send(Call(call_id, method, args))
-            return await fut
+            self._send(Call(call_id, call))
+            reply: R = await fut
+            return reply
         finally:
             self._calls.pop(call_id, None)
 
     # ---- adapters, stats, shutdown ---------------------------------------------------------
 
     async def _load_lora(self, name: str, path: str, pinned: bool) -> AdapterInfo:
-        info: AdapterInfo = await self._call("add_lora", name, path, pinned)
-        return info
+        return await self._call(AddLoRA(name, path, pinned))
 
     async def _unload_lora(self, key: str) -> None:
-        await self._call("remove_lora", key)
+        await self._call(RemoveLoRA(key))
 
     async def stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = await self._call("stats")
+        stats = await self._call(GetStats())
         return {**stats, **self._client_stats()}
 
     async def _do_shutdown(self, timeout: float) -> None:

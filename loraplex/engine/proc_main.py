@@ -3,7 +3,9 @@ there is work, sending each step's outputs back in one message.
 
 Both ends of the pipe are ours, so messages are pickled dataclasses; tenant data never crosses as
 pickle from outside (adapters cross as paths and are read with safetensors in this process).
-This module imports torch only inside the engine process (and in ``load_core``).
+Calls the client waits on are typed records (``AddLoRA``, ``RemoveLoRA``, ``GetStats``), each
+naming its reply type, served by type (``call_core``). This module imports torch only inside the
+engine process.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from loraplex.config import EngineConfig
 from loraplex.engine.client import AdapterInfo, EngineInfo
@@ -26,6 +29,7 @@ if TYPE_CHECKING:
     from loraplex.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R")
 
 
 # ---- client -> engine ----------------------------------------------------------------------
@@ -51,11 +55,37 @@ class AbortRequests:
     request_ids: list[str]
 
 
+class EngineCall(Generic[R]):
+    """A request the client waits on; ``R`` is the type of its reply (``Reply.value``)."""
+
+
+@dataclass(frozen=True)
+class AddLoRA(EngineCall[AdapterInfo]):
+    """Load and validate the adapter at ``path`` (``AdapterError`` when bad)."""
+
+    name: str
+    path: str
+    pinned: bool = False
+
+
+@dataclass(frozen=True)
+class RemoveLoRA(EngineCall[None]):
+    """Forget an adapter (``ValueError`` while requests still use it)."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class GetStats(EngineCall[dict[str, Any]]):
+    """``EngineCore.stats()``."""
+
+
 @dataclass
 class Call:
+    """A call on the wire: ``Reply.call_id`` matches the reply to it."""
+
     call_id: int
-    method: Literal["add_lora", "remove_lora", "stats"]
-    args: tuple[Any, ...]
+    call: EngineCall[Any]
 
 
 @dataclass
@@ -104,49 +134,33 @@ Message = Ready | StartupFailed | Outputs | Reply | RequestFailed
 # ---- the engine side -----------------------------------------------------------------------
 
 
-def load_core(
-    config: EngineConfig, model_dir: str, tokenizer: Any | None = None
-) -> tuple[EngineCore, EngineInfo]:
-    """Build the engine core and describe it. EOS ids: the model's plus the tokenizer's, so
-    every client stops where ``LLM.generate`` stops."""
-    from loraplex.engine.core import EngineCore
-
-    core = EngineCore(config, model_dir)
-    eos = list(core.runner.spec.eos_token_ids)
-    if tokenizer is None:
-        from transformers import AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        except Exception:  # a directory without a tokenizer still serves token ids
-            tokenizer = None
-    tok_eos = getattr(tokenizer, "eos_token_id", None)
-    if isinstance(tok_eos, int) and tok_eos not in eos:
-        eos.append(tok_eos)
-    lora = config.lora
-    info = EngineInfo(
-        model_dir=model_dir,
-        max_model_len=core.max_model_len,
-        vocab_size=core.vocab_size,
-        eos_token_ids=tuple(eos),
-        block_size=core.kv.block_size,
-        num_blocks=core.kv.num_usable_blocks,
-        max_lora_rank=lora.max_lora_rank,
-        max_loras=lora.max_loras,
-        max_cpu_loras=lora.max_cpu_loras,
-        lora_target_modules=core.lora_target_modules,
-    )
-    return core, info
+def _add_lora(core: EngineCore, call: AddLoRA) -> AdapterInfo:
+    return AdapterInfo.from_adapter(core.add_lora(call.name, call.path, call.pinned))
 
 
-def call_core(core: EngineCore, method: str, args: tuple[Any, ...]) -> Any:
-    if method == "add_lora":
-        return AdapterInfo.from_adapter(core.add_lora(*args))
-    if method == "remove_lora":
-        return core.remove_lora(*args)
-    if method == "stats":
-        return core.stats()
-    raise ValueError(f"unknown engine call {method!r}")
+def _remove_lora(core: EngineCore, call: RemoveLoRA) -> None:
+    core.remove_lora(call.key)
+
+
+def _get_stats(core: EngineCore, call: GetStats) -> dict[str, Any]:
+    return core.stats()
+
+
+# each call record -> what serves it
+_HANDLERS: dict[type[EngineCall[Any]], Callable[[EngineCore, Any], Any]] = {
+    AddLoRA: _add_lora,
+    RemoveLoRA: _remove_lora,
+    GetStats: _get_stats,
+}
+
+
+def call_core(core: EngineCore, call: EngineCall[R]) -> R:
+    """Serve one call record; its reply has the record's reply type."""
+    handler = _HANDLERS.get(type(call))
+    if handler is None:
+        raise TypeError(f"unknown engine call {type(call).__name__}")
+    reply: R = handler(core, call)
+    return reply
 
 
 def run_engine(
@@ -187,14 +201,16 @@ def _run(
         import torch
 
         torch.set_num_threads(num_threads)
-        core, info = load_core(config, model_dir)
+        from loraplex.engine.core import EngineCore
+
+        core, info = EngineCore.build(config, model_dir)
     except Exception as exc:
         conn.send(StartupFailed(f"{type(exc).__name__}: {exc}"))
         return 1
     loaded: list[tuple[AdapterSpec, AdapterInfo | str]] = []
     for spec in adapters:
         try:
-            loaded.append((spec, call_core(core, "add_lora", (spec.name, spec.path, spec.pinned))))
+            loaded.append((spec, call_core(core, AddLoRA(spec.name, spec.path, spec.pinned))))
         except Exception as exc:
             loaded.append((spec, f"{type(exc).__name__}: {exc}"))
     conn.send(Ready(info, loaded))
@@ -229,7 +245,7 @@ def _handle(conn: Connection, core: EngineCore, cmd: Command) -> None:
         core.abort_requests(cmd.request_ids)
     elif isinstance(cmd, Call):
         try:
-            reply = Reply(cmd.call_id, value=call_core(core, cmd.method, cmd.args))
+            reply = Reply(cmd.call_id, value=call_core(core, cmd.call))
         except Exception as exc:
             reply = Reply(cmd.call_id, error=exc)
         try:
