@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from loraplex import __version__
+from loraplex.argtypes import non_negative_float, non_negative_int, positive_int
+from loraplex.config import LoRAConfig
 
 PROG = "loraplex"
 
@@ -27,37 +29,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see: {self.prog} --help)")
-
-
-def positive_int(text: str) -> int:
-    """argparse type: a whole number of at least 1 (shared with ``loraplex admin``)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,7 +130,7 @@ def _add_throughput(p: argparse.ArgumentParser) -> None:
     )
     a.add_argument(
         "--num-adapters",
-        type=_non_negative,
+        type=non_negative_int,
         default=0,
         help="LoRA adapters in the workload (0: base model, loraplex vs HF generate())",
     )
@@ -169,14 +140,19 @@ def _add_throughput(p: argparse.ArgumentParser) -> None:
         default="uniform",
         help="how requests pick adapters: uniform, or P(k) ~ (k+1)^-alpha",
     )
-    a.add_argument("--powerlaw-alpha", type=_non_negative_float, default=1.0)
+    a.add_argument("--powerlaw-alpha", type=non_negative_float, default=1.0)
     a.add_argument(
         "--adapter-rank", type=positive_int, default=8, help="rank of the random adapters"
     )
     a.add_argument(
         "--max-loras", type=positive_int, default=8, help="engine device slots: min(N, this)"
     )
-    a.add_argument("--max-lora-rank", type=positive_int, default=64, help="engine slot rank")
+    a.add_argument(
+        "--max-lora-rank",
+        type=positive_int,
+        default=LoRAConfig.max_lora_rank,
+        help="engine slot rank",
+    )
     a.add_argument(
         "--peft-mixed-batch-size",
         type=positive_int,
@@ -195,13 +171,10 @@ def _add_throughput(p: argparse.ArgumentParser) -> None:
         "and take their rate",
     )
     h.add_argument("--skip-hf", action="store_true", help="run loraplex only")
-    e = p.add_argument_group("loraplex engine")
-    e.add_argument("--block-size", type=positive_int, default=16)
-    e.add_argument("--max-num-seqs", type=positive_int, default=64)
-    e.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
-    e.add_argument("--num-blocks", type=positive_int, default=None)
-    e.add_argument("--no-prefix-caching", action="store_true")
-    e.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto")
+    from loraplex.bench.systems import BENCH_KNOBS
+    from loraplex.engine_args import add_engine_arguments
+
+    add_engine_arguments(p.add_argument_group("loraplex engine"), names=BENCH_KNOBS)
     x = p.add_argument_group("experiments and output")
     x.add_argument(
         "--profile",
@@ -221,6 +194,7 @@ def _add_throughput(p: argparse.ArgumentParser) -> None:
 
 def _throughput(args: argparse.Namespace) -> int:
     from loraplex.bench import EngineArgs, ThroughputOptions, run_throughput
+    from loraplex.bench.systems import BENCH_KNOBS
 
     opts = ThroughputOptions(
         model=args.model,
@@ -235,14 +209,7 @@ def _throughput(args: argparse.Namespace) -> int:
         hf_batch_size=args.hf_batch_size,
         hf_max_requests=args.hf_max_requests,
         skip_hf=args.skip_hf,
-        engine=EngineArgs(
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            num_blocks=args.num_blocks,
-            enable_prefix_caching=not args.no_prefix_caching,
-            dtype=args.dtype,
-        ),
+        engine=EngineArgs({k: v for k in BENCH_KNOBS if (v := getattr(args, k)) is not None}),
         profile=args.profile,
         profile_requests=args.profile_requests,
         prefix_cache_test=args.prefix_cache_test,

@@ -6,16 +6,11 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from loraplex.config import (
-    AttentionBackendName,
-    CacheConfig,
-    DType,
-    EngineConfig,
-    LoRAConfig,
-    ModelConfig,
-    SchedulerConfig,
-)
+from typing_extensions import Unpack
+
+from loraplex.engine.info import EngineStats
 from loraplex.engine.llm_engine import LLMEngine, Prompt
+from loraplex.engine_args import EngineKwargs, engine_config
 from loraplex.lora.request import LoRARequest
 from loraplex.outputs import RequestOutput
 from loraplex.sampling_params import SamplingParams
@@ -28,49 +23,11 @@ class LLM:
     serves the embedded SmolLM2-135M-Instruct.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: DType = "auto",
-        device: str = "auto",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        max_model_len: int | None = None,
-        seed: int = 0,
-        max_loras: int = 4,
-        max_cpu_loras: int = 16,
-        max_lora_rank: int = 64,
-        attention_backend: AttentionBackendName = "auto",
-    ) -> None:
-        config = EngineConfig(
-            model=ModelConfig(
-                model=model,
-                dtype=dtype,
-                device=device,
-                max_model_len=max_model_len,
-                seed=seed,
-                attention_backend=attention_backend,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                num_blocks=num_blocks,
-                kv_cache_memory=kv_cache_memory,
-                gpu_memory_utilization=gpu_memory_utilization,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
-            ),
-            lora=LoRAConfig(
-                max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=max_lora_rank
-            ),
-        )
+    def __init__(self, model: str | None = None, **engine: Unpack[EngineKwargs]) -> None:
+        """``engine``: the engine's knobs (``loraplex.engine_args``: ``dtype``, ``block_size``,
+        ``max_num_seqs``, ``max_loras``, ...); each one not given keeps ``EngineConfig``'s
+        default."""
+        config = engine_config(model, **engine)
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
         self._lora_keys: dict[LoRARequest, str] = {}
@@ -92,7 +49,7 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
-    def engine_stats(self) -> dict[str, Any]:
+    def engine_stats(self) -> EngineStats:
         """KV blocks used/free, prefix-cache queries/hits, preemptions, steps."""
         return self.llm_engine.stats()
 

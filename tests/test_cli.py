@@ -16,6 +16,7 @@ from loraplex.bench import systems
 from loraplex.bench.workload import SENTENCES
 from loraplex.cli import main
 from tests.conftest import TINY_VOCAB, make_tiny_model
+from tests.platform.fakes import stats_from_flat
 
 
 def _english_tokenizer(path: Path) -> None:
@@ -71,8 +72,8 @@ class StubLLM:
             outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=[3] * p.max_tokens)]))
         return outs
 
-    def engine_stats(self) -> dict[str, Any]:
-        return dict(self.stats)
+    def engine_stats(self) -> Any:
+        return stats_from_flat(self.stats)
 
     def reset_prefix_cache(self) -> None:
         self.cached.clear()

@@ -6,7 +6,8 @@ PEFT; LoRA on against off; prefix caching on against off), written as JSON (plus
 
 from __future__ import annotations
 
+from loraplex.bench.common import ThroughputOptions
 from loraplex.bench.systems import EngineArgs
-from loraplex.bench.throughput import ThroughputOptions, run_throughput
+from loraplex.bench.throughput import run_throughput
 
 __all__ = ["EngineArgs", "ThroughputOptions", "run_throughput"]

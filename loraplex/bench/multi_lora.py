@@ -33,6 +33,14 @@ from loraplex.bench.adapters import (
     make_random_adapters,
     requests_per_adapter,
 )
+from loraplex.bench.common import (
+    ThroughputOptions,
+    load_tokenizer_and_config,
+    machine,
+    options_json,
+    reset_prefix_cache_for,
+    workload_json,
+)
 from loraplex.bench.flops import ModelShape, workload_flops
 from loraplex.bench.peft_baselines import (
     Batch,
@@ -43,15 +51,7 @@ from loraplex.bench.peft_baselines import (
     select_batches,
     static_plan,
 )
-from loraplex.bench.systems import RunResult, System, greedy_agreement
-from loraplex.bench.throughput import (
-    ThroughputOptions,
-    _load_tokenizer_and_config,
-    _machine,
-    _options_json,
-    _reset_prefix_cache,
-    _workload_json,
-)
+from loraplex.bench.systems import RunResult, System, flat_stats, greedy_agreement
 from loraplex.bench.workload import encode, make_workload
 
 Log = Callable[[str], None]
@@ -76,7 +76,7 @@ def _run(opts: ThroughputOptions, say: Log, adapter_root: Path) -> dict[str, Any
     from loraplex.engine.default_model import resolve_model_dir
 
     model_dir = resolve_model_dir(opts.model)
-    tokenizer, model_config = _load_tokenizer_and_config(model_dir)
+    tokenizer, model_config = load_tokenizer_and_config(model_dir)
     shape = ModelShape.from_config(model_config)
     workload = make_workload(
         opts.num_requests,
@@ -172,7 +172,7 @@ def _run(opts: ThroughputOptions, say: Log, adapter_root: Path) -> dict[str, Any
     for r in range(opts.repeats):
         for system in run_order(r, systems):
             if system in ("loraplex", "loraplex_base"):
-                if runs and not _reset_prefix_cache(llm, opts):
+                if runs and not reset_prefix_cache_for(llm, opts):
                     del llm
                     gc.collect()
                     llm = fresh_llm()
@@ -180,7 +180,8 @@ def _run(opts: ThroughputOptions, say: Log, adapter_root: Path) -> dict[str, Any
                 run = run_loraplex(
                     llm, prompts, lens, r, lora_requests=loras if with_lora else None, system=system
                 )
-                run.engine.update({k: v for k, v in llm.engine_stats().items() if k in LORA_GAUGES})
+                gauges = flat_stats(llm.engine_stats())
+                run.engine.update({k: v for k, v in gauges.items() if k in LORA_GAUGES})
             else:
                 assert peft is not None and system in ("peft_static", "peft_mixed")
                 which: PeftMode = "peft_static" if system == "peft_static" else "peft_mixed"
@@ -217,10 +218,10 @@ def _run(opts: ThroughputOptions, say: Log, adapter_root: Path) -> dict[str, Any
         "benchmark": "throughput-multi-lora",
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": opts.command_line(),
-        "options": _options_json(opts),
-        "machine": _machine(),
+        "options": options_json(opts),
+        "machine": machine(),
         "model": {"dir": model_dir, "shape": asdict(shape)},
-        "workload": _workload_json(workload, prompts),
+        "workload": workload_json(workload, prompts),
         "adapters": {
             "num_adapters": n_adapters,
             "distribution": opts.adapter_dist,
@@ -264,7 +265,7 @@ def _run(opts: ThroughputOptions, say: Log, adapter_root: Path) -> dict[str, Any
     result["summary"] = summarize(runs, flops, max(peaks), opts.num_requests)
     result["greedy_agreement"] = _agreements(runs)
     result["engine_lora_stats"] = {
-        k: v for k, v in llm.engine_stats().items() if k.startswith("lora_")
+        k: v for k, v in flat_stats(llm.engine_stats()).items() if k.startswith("lora_")
     }
 
     out_dir = Path(opts.output_dir)
@@ -395,7 +396,7 @@ def _profile(
 ) -> None:
     from loraplex.bench.profile import profile_loraplex
 
-    _reset_prefix_cache(llm, opts)
+    reset_prefix_cache_for(llm, opts)
     n = min(opts.profile_requests, opts.num_requests)
     say(f"profiling loraplex with adapters on {n} requests ...")
     print(profile_loraplex(llm, prompts[:n], lens[:n], path, lora_requests=loras[:n]))

@@ -72,7 +72,7 @@ def run_prefix_cache_test(
         round(off["median_ttft_s"] / on["median_ttft_s"], 3) if on["median_ttft_s"] > 0 else None
     )
     # Only the unshared tail should be computed: prompt minus the cached full blocks of the prefix.
-    bs = args.block_size
+    bs = args.config.cache.block_size
     cached_tokens = (prefix_len // bs) * bs
     results["expected_hit_tokens"] = cached_tokens
     results["only_unshared_computed"] = all(

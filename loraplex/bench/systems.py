@@ -11,12 +11,14 @@ Model loading and warm-up are never inside the timed region.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from loraplex.config import DType
+from loraplex.config import DType, EngineConfig
+from loraplex.engine_args import engine_config, knobs_of
 
 System = Literal["loraplex", "loraplex_base", "hf", "peft_static", "peft_mixed"]
 # Engine counters that only grow; a run reports how much each grew during it.
@@ -64,28 +66,46 @@ class RunResult:
         }
 
 
+# The engine knobs ``loraplex bench`` exposes (``loraplex.engine_args``; their defaults are
+# ``EngineConfig``'s).
+BENCH_KNOBS = (
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "num_blocks",
+    "enable_prefix_caching",
+    "dtype",
+)
+
+
 @dataclass(frozen=True)
 class EngineArgs:
-    """The ``LLM`` knobs the benchmark exposes."""
+    """The engine knobs one benchmark run sets; every other keeps ``EngineConfig``'s default."""
 
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    num_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    dtype: DType = "auto"
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.overrides) - set(BENCH_KNOBS))
+        if unknown:
+            raise ValueError(f"not benchmark engine knobs: {', '.join(unknown)}")
+        engine_config(**self.overrides)  # validates
+
+    @property
+    def config(self) -> EngineConfig:
+        return engine_config(**self.overrides)
 
     def kwargs(self, **overrides: Any) -> dict[str, Any]:
-        args = {
-            "block_size": self.block_size,
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "num_blocks": self.num_blocks,
-            "enable_prefix_caching": self.enable_prefix_caching,
-            "dtype": self.dtype,
-        }
-        args.update(overrides)
-        return args
+        """The exposed knobs' values for ``LLM(...)``, then ``overrides``."""
+        knobs = knobs_of(self.config)
+        return {k: knobs[k] for k in BENCH_KNOBS} | overrides
+
+    @property
+    def dtype(self) -> DType:
+        return self.config.model.dtype
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.config.cache.enable_prefix_caching
 
 
 def build_llm(model_dir: str, args: EngineArgs, **overrides: Any) -> Any:
@@ -101,8 +121,22 @@ def greedy_params(output_lens: Sequence[int]) -> list[Any]:
 
 
 def counters(llm: Any) -> dict[str, float]:
-    stats = llm.engine_stats()
-    return {k: stats[k] for k in ENGINE_COUNTERS if isinstance(stats.get(k), int | float)}
+    return {k: v for k, v in flat_stats(llm.engine_stats()).items() if k in ENGINE_COUNTERS}
+
+
+def flat_stats(stats: Any) -> dict[str, float]:
+    """An ``EngineStats`` as the report's flat numbers (``lora_<field>`` for its LoRA part)."""
+    out = {
+        f.name: float(getattr(stats, f.name))
+        for f in dataclasses.fields(stats)
+        if isinstance(getattr(stats, f.name), int | float)
+    }
+    if stats.lora is not None:
+        for f in dataclasses.fields(stats.lora):
+            value = getattr(stats.lora, f.name)
+            if isinstance(value, int | float):
+                out[f"lora_{f.name}"] = float(value)
+    return out
 
 
 def warm_up_loraplex(llm: Any, prompts: Sequence[list[int]]) -> None:

@@ -11,135 +11,25 @@ instead (``multi_lora``).
 from __future__ import annotations
 
 import gc
-import platform
-import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from loraplex.bench.adapters import AdapterDist
+from loraplex.bench.common import (
+    Log,
+    ThroughputOptions,
+    load_tokenizer_and_config,
+    machine,
+    options_json,
+    reset_prefix_cache_for,
+    workload_json,
+)
 from loraplex.bench.flops import ModelShape, workload_flops
-from loraplex.bench.systems import EngineArgs, RunResult
-from loraplex.bench.workload import Workload, encode, make_workload
-
-Log = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class ThroughputOptions:
-    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
-    num_requests: int = 64
-    min_output: int = 16
-    max_output: int = 128
-    min_prompt_words: int = 20
-    max_prompt_words: int = 60
-    chat: bool = False
-    seed: int = 0
-    repeats: int = 3
-    hf_batch_size: int = 8
-    hf_max_requests: int | None = None  # None: all requests
-    skip_hf: bool = False
-    engine: EngineArgs = field(default_factory=EngineArgs)
-    profile: bool = False
-    profile_requests: int = 16
-    prefix_cache_test: bool = False
-    prefix_len: int = 512
-    prefix_repeats: int = 5
-    num_adapters: int = 0  # 0: base model only, loraplex vs HF; N: N adapters, vs PEFT
-    adapter_dist: AdapterDist = "uniform"
-    powerlaw_alpha: float = 1.0
-    adapter_rank: int = 8
-    max_loras: int = 8  # the engine gets min(num_adapters, max_loras) device slots
-    max_lora_rank: int = 64
-    peft_mixed_batch_size: int = 32
-    output_dir: str = "bench-results"
-
-    def __post_init__(self) -> None:
-        checks = [
-            (self.num_adapters >= 0, "--num-adapters must be 0 or more"),
-            (
-                self.adapter_dist in ("uniform", "powerlaw"),
-                "--adapter-dist must be uniform or powerlaw",
-            ),
-            (self.powerlaw_alpha >= 0, "--powerlaw-alpha must be 0 or more"),
-            (self.adapter_rank >= 1, "--adapter-rank must be at least 1"),
-            (self.max_loras >= 1, "--max-loras must be at least 1"),
-            (
-                self.max_lora_rank >= self.adapter_rank,
-                f"--max-lora-rank ({self.max_lora_rank}) must be at least --adapter-rank "
-                f"({self.adapter_rank}): the engine rejects adapters above its maximum rank",
-            ),
-            (self.peft_mixed_batch_size >= 1, "--peft-mixed-batch-size must be at least 1"),
-            (self.num_requests >= 1, "--num-requests must be at least 1"),
-            (1 <= self.min_output <= self.max_output, "need 1 <= --min-output <= --max-output"),
-            (
-                1 <= self.min_prompt_words <= self.max_prompt_words,
-                "need 1 <= --min-prompt-words <= --max-prompt-words",
-            ),
-            (self.repeats >= 1, "--repeats must be at least 1"),
-            (self.hf_batch_size >= 1, "--hf-batch-size must be at least 1"),
-            (
-                self.hf_max_requests is None or self.hf_max_requests >= 1,
-                "--hf-max-requests must be at least 1",
-            ),
-            (self.profile_requests >= 1, "--profile-requests must be at least 1"),
-            (self.prefix_len >= 1, "--prefix-len must be at least 1"),
-            (self.prefix_repeats >= 1, "--prefix-repeats must be at least 1"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-
-    def command_line(self) -> str:
-        """The command that reproduces this run, every knob explicit."""
-        e = self.engine
-        argv = ["loraplex", "bench", "throughput"] + ([self.model] if self.model else [])
-        argv += [
-            f"--num-requests={self.num_requests}",
-            f"--min-output={self.min_output}",
-            f"--max-output={self.max_output}",
-            f"--min-prompt-words={self.min_prompt_words}",
-            f"--max-prompt-words={self.max_prompt_words}",
-            f"--seed={self.seed}",
-            f"--repeats={self.repeats}",
-            f"--hf-batch-size={self.hf_batch_size}",
-            f"--block-size={e.block_size}",
-            f"--max-num-seqs={e.max_num_seqs}",
-            f"--max-num-batched-tokens={e.max_num_batched_tokens}",
-            f"--dtype={e.dtype}",
-        ]
-        argv += [f"--hf-max-requests={self.hf_max_requests}"] if self.hf_max_requests else []
-        if self.num_adapters:
-            argv += [
-                f"--num-adapters={self.num_adapters}",
-                f"--adapter-dist={self.adapter_dist}",
-                f"--adapter-rank={self.adapter_rank}",
-                f"--max-loras={self.max_loras}",
-                f"--max-lora-rank={self.max_lora_rank}",
-                f"--peft-mixed-batch-size={self.peft_mixed_batch_size}",
-            ]
-            argv += (
-                [f"--powerlaw-alpha={self.powerlaw_alpha}"]
-                if self.adapter_dist == "powerlaw"
-                else []
-            )
-        argv += [f"--num-blocks={e.num_blocks}"] if e.num_blocks else []
-        argv += [] if e.enable_prefix_caching else ["--no-prefix-caching"]
-        argv += ["--chat"] if self.chat else []
-        argv += ["--skip-hf"] if self.skip_hf else []
-        argv += ["--profile", f"--profile-requests={self.profile_requests}"] if self.profile else []
-        if self.prefix_cache_test:
-            argv += [
-                "--prefix-cache-test",
-                f"--prefix-len={self.prefix_len}",
-                f"--prefix-repeats={self.prefix_repeats}",
-            ]
-        argv += [f"--output-dir={self.output_dir}"]
-        return shlex.join(argv)
+from loraplex.bench.systems import RunResult
+from loraplex.bench.workload import encode, make_workload
 
 
 def run_throughput(opts: ThroughputOptions, log: Log | None = None) -> dict[str, Any]:
@@ -155,7 +45,7 @@ def run_throughput(opts: ThroughputOptions, log: Log | None = None) -> dict[str,
     from loraplex.engine.default_model import resolve_model_dir
 
     model_dir = resolve_model_dir(opts.model)
-    tokenizer, model_config = _load_tokenizer_and_config(model_dir)
+    tokenizer, model_config = load_tokenizer_and_config(model_dir)
     shape = ModelShape.from_config(model_config)
     workload = make_workload(
         opts.num_requests,
@@ -206,7 +96,7 @@ def run_throughput(opts: ThroughputOptions, log: Log | None = None) -> dict[str,
         order = ["loraplex", "hf"] if r % 2 == 0 else ["hf", "loraplex"]
         for system in order:
             if system == "loraplex":
-                if r > 0 and not _reset_prefix_cache(llm, opts):
+                if r > 0 and not reset_prefix_cache_for(llm, opts):
                     del llm
                     gc.collect()
                     llm = fresh_llm()
@@ -229,10 +119,10 @@ def run_throughput(opts: ThroughputOptions, log: Log | None = None) -> dict[str,
         "benchmark": "throughput",
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": opts.command_line(),
-        "options": _options_json(opts),
-        "machine": _machine(),
+        "options": options_json(opts),
+        "machine": machine(),
         "model": {"dir": model_dir, "shape": asdict(shape)},
-        "workload": _workload_json(workload, prompts),
+        "workload": workload_json(workload, prompts),
         "flops_convention": (
             "2 FLOPs per multiply-add; decoder linear layers per computed token "
             "(prompt + fed-back outputs = P+O-1 per request); lm_head only for the O sampled rows; "
@@ -265,7 +155,7 @@ def run_throughput(opts: ThroughputOptions, log: Log | None = None) -> dict[str,
     if opts.profile:
         from loraplex.bench.profile import profile_loraplex
 
-        if not _reset_prefix_cache(llm, opts):
+        if not reset_prefix_cache_for(llm, opts):
             del llm
             gc.collect()
             llm = fresh_llm()
@@ -294,22 +184,6 @@ def run_throughput(opts: ThroughputOptions, log: Log | None = None) -> dict[str,
     print(f"plot: {plot_note}" if plot_note else f"plot: {out_dir / f'{stem}.png'}")
     print(f"reproduce: {opts.command_line()}")
     return result
-
-
-def _load_tokenizer_and_config(model_dir: str) -> tuple[Any, dict[str, Any]]:
-    import json
-
-    from transformers import AutoTokenizer
-
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return AutoTokenizer.from_pretrained(model_dir), config.get("text_config", config)
-
-
-def _reset_prefix_cache(llm: Any, opts: ThroughputOptions) -> bool:
-    """True when ``llm`` holds no cached prefix of the timed prompts any more."""
-    from loraplex.bench.systems import reset_prefix_cache
-
-    return not opts.engine.enable_prefix_caching or reset_prefix_cache(llm)
 
 
 def _check_lengths(run: RunResult, lens: list[int]) -> str | None:
@@ -385,39 +259,4 @@ def _summarize(
         "speedup": speedup,
         "per_repeat_speedup": paired,
         "median_paired_speedup": round(statistics.median(paired), 3) if paired else None,
-    }
-
-
-def _options_json(opts: ThroughputOptions) -> dict[str, Any]:
-    data = asdict(opts)
-    data["model"] = opts.model or "embedded:SmolLM2-135M-Instruct"
-    return data
-
-
-def _workload_json(workload: Workload, prompts: list[list[int]]) -> dict[str, Any]:
-    return {
-        "num_requests": workload.num_requests,
-        "seed": workload.seed,
-        "prompt_tokens": [len(p) for p in prompts],
-        "output_lens": workload.output_lens,
-        "total_prompt_tokens": sum(map(len, prompts)),
-        "total_output_tokens": sum(workload.output_lens),
-    }
-
-
-def _machine() -> dict[str, Any]:
-    import os
-
-    import torch
-    import transformers
-
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "transformers": transformers.__version__,
-        "cuda": torch.cuda.is_available(),
     }

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from loraplex.engine.client import AdapterInfo
+from loraplex.engine.info import AdapterInfo
 
 OPERATOR_OWNER = "operator"  # adapters the operator loads (--lora-modules, /v1/load_lora_adapter)
 

@@ -12,20 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 from loraplex.engine.adapter_table import OPERATOR_OWNER, AdapterTable, Release
+from loraplex.engine.info import AdapterInfo, EngineInfo, EngineStats
 from loraplex.engine.output_processor import sample_ids
 from loraplex.engine.records import EngineCoreOutput, TokenLogprobs
 from loraplex.engine.request import Request
 from loraplex.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from loraplex.lora.adapter import LoRAAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -37,48 +35,13 @@ __all__ = [
     "EngineDeadError",
     "EngineInfo",
     "EngineStartupError",
+    "EngineStats",
     "Release",
     "RequestDelta",
     "StreamingClient",
     "build_core_requests",
     "validate_prompt",
 ]
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the engine is and what it accepts, told once by the engine when it starts: the
-    platform checks requests and uploads against these, never against copied defaults."""
-
-    model_dir: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    block_size: int
-    num_blocks: int  # usable KV blocks (the reserved null block excluded): kv_blocks_total
-    max_lora_rank: int  # the largest adapter rank the engine serves
-    max_loras: int  # adapters one step may use (device slots)
-    max_cpu_loras: int  # adapters kept in host memory
-    lora_target_modules: tuple[str, ...]  # the modules an adapter may target on this model
-
-
-@dataclass(frozen=True)
-class AdapterInfo:
-    key: str  # the adapter's content hash: its identity in the engine and in the prefix cache
-    name: str
-    rank: int
-    target_modules: tuple[str, ...]
-    size_bytes: int
-
-    @classmethod
-    def from_adapter(cls, adapter: LoRAAdapter) -> AdapterInfo:
-        return cls(
-            key=adapter.content_hash,
-            name=adapter.name,
-            rank=adapter.rank,
-            target_modules=tuple(adapter.target_modules),
-            size_bytes=adapter.size_bytes,
-        )
 
 
 @dataclass
@@ -256,8 +219,8 @@ class EngineClient(ABC):
         self._loras.drop(key)
 
     @abstractmethod
-    async def stats(self) -> dict[str, Any]:
-        """``EngineCore.stats()`` plus ``num_inflight`` and ``engine_restarts``."""
+    async def stats(self) -> EngineStats:
+        """The engine's snapshot, with this client's ``num_inflight`` and ``engine_restarts``."""
 
     @property
     @abstractmethod
@@ -452,8 +415,10 @@ class StreamingClient(EngineClient):
     def num_inflight(self) -> int:
         return len(self._streams)
 
-    def _client_stats(self) -> dict[str, Any]:
-        return {"num_inflight": self.num_inflight, "engine_restarts": self.engine_restarts}
+    def _with_client_stats(self, stats: EngineStats) -> EngineStats:
+        return dataclasses.replace(
+            stats, num_inflight=self.num_inflight, engine_restarts=self.engine_restarts
+        )
 
     def _check_serving(self) -> None:
         if not self._started:

@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from loraplex.config import EngineConfig
-from loraplex.engine.client import EngineInfo
+from loraplex.engine.info import EngineInfo, EngineStats, LoRAStats
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.records import EngineCoreOutput
 from loraplex.engine.request import Request
@@ -115,44 +115,42 @@ class EngineCore:
         result = self.runner.execute(out)
         return self.scheduler.update(out, result)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         kv, sched = self.kv, self.scheduler
-        queries = kv.stats.prefix_queries
-        return {
-            "num_running": sched.num_running,
-            "num_waiting": sched.num_waiting,
-            "kv_blocks_total": kv.num_usable_blocks,
-            "kv_blocks_used": kv.num_used_blocks,
-            "kv_blocks_free": kv.num_free_blocks,
-            "kv_blocks_cached": kv.num_cached_blocks,
-            "kv_cache_usage": kv.usage,
-            "block_size": kv.block_size,
-            "prefix_cache_queries": queries,
-            "prefix_cache_hits": kv.stats.prefix_hits,
-            "prefix_cache_hit_rate": kv.stats.prefix_hits / queries if queries else 0.0,
-            "prefix_cache_evictions": kv.stats.evictions,
-            "num_preemptions": sched.stats.num_preemptions,
-            "num_steps": sched.stats.num_steps,
-            "num_prompt_tokens_computed": sched.stats.num_prompt_tokens_computed,
-            "num_generated_tokens": sched.stats.num_generated_tokens,
-            "max_model_len": self.max_model_len,
-            **self._lora_stats(),
-        }
+        return EngineStats(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            kv_blocks_total=kv.num_usable_blocks,
+            kv_blocks_used=kv.num_used_blocks,
+            kv_blocks_free=kv.num_free_blocks,
+            kv_blocks_cached=kv.num_cached_blocks,
+            kv_cache_usage=kv.usage,
+            block_size=kv.block_size,
+            prefix_cache_queries=kv.stats.prefix_queries,
+            prefix_cache_hits=kv.stats.prefix_hits,
+            prefix_cache_evictions=kv.stats.evictions,
+            num_preemptions=sched.stats.num_preemptions,
+            num_steps=sched.stats.num_steps,
+            num_prompt_tokens_computed=sched.stats.num_prompt_tokens_computed,
+            num_generated_tokens=sched.stats.num_generated_tokens,
+            max_model_len=self.max_model_len,
+            lora=self._lora_stats(),
+        )
 
-    def _lora_stats(self) -> dict[str, Any]:
+    def _lora_stats(self) -> LoRAStats | None:
         lora = self.runner.lora
         if lora is None:
-            return {}
+            return None
         residency = lora.residency()
-        return {
-            "lora_disk_loads": lora.stats.disk_loads,
-            "lora_host_hits": lora.stats.host_hits,
-            "lora_host_evictions": lora.stats.host_evictions,
-            "lora_slot_loads": lora.stats.slot_loads,
-            "lora_slot_hits": lora.stats.slot_hits,
-            "lora_resident_device": residency["device"],
-            "lora_resident_host": residency["host"],
-            "lora_registered": residency["disk"],
-            "lora_slot_evictions": lora.stats.slot_evictions,
-            "lora_residency": lora.tiers(),  # content hash -> device | host | disk
-        }
+        return LoRAStats(
+            disk_loads=lora.stats.disk_loads,
+            host_hits=lora.stats.host_hits,
+            host_evictions=lora.stats.host_evictions,
+            slot_loads=lora.stats.slot_loads,
+            slot_hits=lora.stats.slot_hits,
+            slot_evictions=lora.stats.slot_evictions,
+            resident_device=residency["device"],
+            resident_host=residency["host"],
+            registered=residency["disk"],
+            residency=lora.tiers(),
+        )

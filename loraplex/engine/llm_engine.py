@@ -10,6 +10,7 @@ from typing import Any
 from loraplex.config import EngineConfig
 from loraplex.engine.client import build_core_requests, validate_prompt
 from loraplex.engine.default_model import resolve_model_dir
+from loraplex.engine.info import EngineStats
 from loraplex.engine.output_processor import OutputProcessor
 from loraplex.outputs import RequestOutput
 from loraplex.sampling_params import SamplingParams
@@ -133,5 +134,5 @@ class LLMEngine:
             self.core.abort_requests(to_abort)
         return results
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         return self.core.stats()

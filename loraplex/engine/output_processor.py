@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplex.engine.detokenizer import IncrementalDetokenizer
+from loraplex.detokenizer import IncrementalDetokenizer
 from loraplex.engine.records import EngineCoreOutput, TokenLogprobs
 from loraplex.outputs import CompletionOutput, Logprob, RequestOutput
 from loraplex.sampling_params import SamplingParams

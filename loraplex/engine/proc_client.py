@@ -31,6 +31,7 @@ from loraplex.engine.client import (
     AdapterInfo,
     EngineDeadError,
     EngineStartupError,
+    EngineStats,
     StreamingClient,
 )
 from loraplex.engine.proc_main import (
@@ -357,9 +358,9 @@ class ProcEngineClient(StreamingClient):
     async def _unload_lora(self, key: str) -> None:
         await self._call(RemoveLoRA(key))
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> EngineStats:
         stats = await self._call(GetStats())
-        return {**stats, **self._client_stats()}
+        return self._with_client_stats(stats)
 
     async def _do_shutdown(self, timeout: float) -> None:
         if self._started:

@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from loraplex.config import EngineConfig
-from loraplex.engine.client import AdapterInfo, EngineInfo
+from loraplex.engine.info import AdapterInfo, EngineInfo, EngineStats
 from loraplex.engine.records import EngineCoreOutput
 from loraplex.engine.request import Request
 
@@ -76,7 +76,7 @@ class RemoveLoRA(EngineCall[None]):
 
 
 @dataclass(frozen=True)
-class GetStats(EngineCall[dict[str, Any]]):
+class GetStats(EngineCall[EngineStats]):
     """``EngineCore.stats()``."""
 
 
@@ -142,7 +142,7 @@ def _remove_lora(core: EngineCore, call: RemoveLoRA) -> None:
     core.remove_lora(call.key)
 
 
-def _get_stats(core: EngineCore, call: GetStats) -> dict[str, Any]:
+def _get_stats(core: EngineCore, call: GetStats) -> EngineStats:
     return core.stats()
 
 

@@ -76,7 +76,7 @@ def _cpu_signature() -> str:
 
 
 def _cache_root() -> Path:
-    from loraplex.engine.default_model import cache_dir
+    from loraplex.paths import cache_dir
 
     return cache_dir() / "native"
 

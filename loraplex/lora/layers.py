@@ -11,13 +11,27 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from loraplex.engine.models.layers import Linear
 from loraplex.kernels.lora_ops import LoRABackend, LoRALayerWeights, add_lora, select_backend
 from loraplex.kernels.meta import LoRAKernelMeta
+
+
+class BaseLinear(Protocol):
+    """What ``LoRALinear`` needs of the projection it wraps (the engine's ``Linear`` and
+    ``PackedLinear``): its input width, its weight ``[out, in]``, its output slices by
+    checkpoint module (name -> (column offset, width)), and its forward."""
+
+    in_features: int
+    weight: torch.Tensor
+
+    @property
+    def output_slices(self) -> dict[str, tuple[int, int]]: ...
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class LoRAStep:
@@ -38,7 +52,7 @@ class LoRAStep:
 
 
 class LoRALinear(nn.Module):
-    def __init__(self, base: Linear, module_names: list[str], step: LoRAStep) -> None:
+    def __init__(self, base: BaseLinear, module_names: list[str], step: LoRAStep) -> None:
         super().__init__()
         self.base = base
         slices = base.output_slices

@@ -15,12 +15,12 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import torch
+from torch import nn
 
 from loraplex.config import LoRAConfig
-from loraplex.engine.models.llama import LlamaForCausalLM
 from loraplex.kernels.meta import LoRAKernelMeta
 from loraplex.lora.adapter import BaseModelInfo, LoRAAdapter, load_adapter
 from loraplex.lora.layers import LoRALinear, LoRAStep
@@ -38,10 +38,26 @@ class LoRAStats:
     slot_evictions: int = 0  # slot loads that replaced another adapter
 
 
+class LoRAModel(Protocol):
+    """What the manager needs of a model (the engine's ``LlamaForCausalLM`` family): its
+    decoder layers (``model.model.layers``) and the linears of a layer LoRA wraps, each with
+    the checkpoint modules it packs (``lora_targets``, declared on the model class)."""
+
+    @property
+    def model(self) -> _Decoder: ...
+
+    def lora_targets(self) -> dict[str, list[str]]: ...
+
+
+class _Decoder(Protocol):
+    @property
+    def layers(self) -> nn.ModuleList: ...
+
+
 class LoRAManager:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: LoRAModel,
         hf_config: Any,
         config: LoRAConfig,
         max_num_tokens: int,
@@ -138,16 +154,21 @@ class LoRAManager:
 
     # ---- residency -------------------------------------------------------------------------
 
-    def tier_of(self, key: str) -> str:
+    def tier_of(self, key: str) -> Literal["device", "host", "disk", "none"]:
         if key in self._slot_key:
             return "device"
         if key in self._host:
             return "host"
         return "disk" if key in self._sources else "none"
 
-    def tiers(self) -> dict[str, str]:
+    def tiers(self) -> dict[str, Literal["device", "host", "disk"]]:
         """Every adapter registered with the engine: content hash -> device | host | disk."""
-        return {key: self.tier_of(key) for key in self._sources}
+        out: dict[str, Literal["device", "host", "disk"]] = {}
+        for key in self._sources:
+            tier = self.tier_of(key)
+            if tier != "none":
+                out[key] = tier
+        return out
 
     def residency(self) -> dict[str, int]:
         return {

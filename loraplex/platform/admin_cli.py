@@ -21,7 +21,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from loraplex.cli import positive_int
+from loraplex.argtypes import positive_int
 from loraplex.platform import admin_token, tenants
 from loraplex.platform.db import migrate
 from loraplex.platform.db.database import Database

@@ -4,7 +4,7 @@ On every ``--demo`` start: the tenant ``demo`` exists (created once), its previo
 revoked and one new key is issued (a key is only ever shown when it is made, so each start
 prints a fresh one), and the shipped demo adapters are uploaded through the registry like any
 tenant upload (validated, versioned, audited) unless the tenant already has them. The adapters
-(``demo_adapters/``, about 1 MB each, float16) were trained by ``loraplex.lora.train`` on the
+(``demo_adapters/``, about 1 MB each, float16) were trained by ``loraplex.tools.train_adapter`` on the
 embedded SmolLM2-135M-Instruct: ``pirate`` answers like a pirate, ``caps`` in capital letters.
 """
 

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.engine.client import EngineDeadError
@@ -299,12 +300,23 @@ def _body_problem(cause: BaseException | None) -> str:
     return "send UTF-8 encoded JSON with 'Content-Type: application/json'"
 
 
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx body (``APIError.body``): the OpenAPI schema documents it."""
+
+    error: ErrorInfo
+
+
 def document_error_envelope(app: FastAPI) -> None:
     """Make the OpenAPI schema say what the server does: every 4xx/5xx is OpenAI's envelope
     (``ErrorResponse``), and a body that fails validation is a 400, never FastAPI's 422."""
     from fastapi.openapi.utils import get_openapi
-
-    from loraplex.platform.openai.protocol import ErrorResponse
 
     statuses = {
         "400": "Invalid request (the message names the field)",

@@ -30,13 +30,13 @@ import asyncio
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 
-from loraplex.engine.client import EngineClient
+from loraplex.engine.client import EngineClient, EngineStats
+from loraplex.platform.engine_state import EngineNotAnswering, read_engine_stats
 from loraplex.platform.request_log import RequestRecord
 
 logger = logging.getLogger(__name__)
@@ -132,12 +132,12 @@ class PlatformMetrics:
     async def scrape(self) -> bytes:
         """The exposition text, with the engine's numbers as of now."""
         async with self._scrape_lock:
-            stats: dict[str, Any] | None = None
+            stats: EngineStats | None = None
             if self.client.healthy:
                 try:
-                    stats = await asyncio.wait_for(self.client.stats(), self.stats_timeout)
-                except Exception as exc:  # a dead or hung engine: what engine_healthy reports
-                    logger.warning("metrics: no engine stats: %s: %s", type(exc).__name__, exc)
+                    stats = await read_engine_stats(self.client, self.stats_timeout)
+                except EngineNotAnswering as exc:  # what loraplex_engine_healthy reports
+                    logger.warning("metrics: no engine stats: %s", exc.reason)
             self.engine.update(stats)
             return generate_latest(self.registry)
 
@@ -147,7 +147,7 @@ class PlatformMetrics:
 
 @dataclass(frozen=True)
 class _EngineCounter:
-    key: str  # in EngineCore.stats()
+    key: str  # an EngineStats field, or lora_<LoRAStats field>
     name: str  # without _total
     doc: str
     tier: str | None = None  # the ``tier`` label of adapter counters
@@ -199,12 +199,16 @@ ENGINE_GAUGES = {
     "kv_blocks_total": ("loraplex_kv_cache_usable_blocks", "KV blocks the engine can hand out."),
 }
 
-# stats key -> tier of loraplex_adapters_resident ("disk": every adapter registered)
-RESIDENCY = {
-    "lora_resident_device": "device",
-    "lora_resident_host": "host",
-    "lora_registered": "disk",
-}
+# LoRAStats field -> tier of loraplex_adapters_resident ("disk": every adapter registered)
+RESIDENCY = {"resident_device": "device", "resident_host": "host", "registered": "disk"}
+
+
+def engine_value(stats: EngineStats, key: str) -> float | None:
+    """The number ``key`` names in ``stats``: an ``EngineStats`` field, or ``lora_<field>`` of
+    its LoRA part (None when the engine serves no adapters)."""
+    if key.startswith("lora_"):
+        return None if stats.lora is None else float(getattr(stats.lora, key[5:]))
+    return float(getattr(stats, key))
 
 
 class MonotonicTotals:
@@ -217,14 +221,15 @@ class MonotonicTotals:
         self._offset: dict[str, float] = {}
         self._restarts: int | None = None
 
-    def update(self, stats: dict[str, Any]) -> None:
-        restarts = stats.get("engine_restarts")
+    def update(self, stats: EngineStats) -> None:
+        restarts = stats.engine_restarts
         restarted = self._restarts is not None and restarts != self._restarts
         self._restarts = restarts
         for key in self.keys:
-            if key not in stats:
+            value = engine_value(stats, key)
+            if value is None:
                 continue
-            value, last = float(stats[key]), self._last.get(key)
+            last = self._last.get(key)
             if last is not None and (restarted or value < last):
                 self._offset[key] = self._offset.get(key, 0.0) + last
             self._last[key] = value
@@ -240,16 +245,16 @@ class EngineCollector:
 
     def __init__(self) -> None:
         self.healthy = False
-        self._stats: dict[str, Any] = {}
+        self._stats: EngineStats | None = None
         self._restarts: int | None = None  # kept by the client: monotonic already
         self.totals = MonotonicTotals(c.key for c in ENGINE_COUNTERS)
 
-    def update(self, stats: dict[str, Any] | None) -> None:
+    def update(self, stats: EngineStats | None) -> None:
         self.healthy = stats is not None
-        self._stats = stats or {}
+        self._stats = stats
         if stats is not None:
             self.totals.update(stats)
-            self._restarts = stats.get("engine_restarts", self._restarts)
+            self._restarts = stats.engine_restarts
 
     def describe(self) -> Iterable[Metric]:
         return list(self._families(include_all=True))
@@ -287,8 +292,9 @@ class EngineCollector:
                 "Prompt tokens served from the prefix cache, as a fraction of those looked up.",
                 value=(hits or 0.0) / queries if queries else 0.0,
             )
+        stats = self._stats
         for key, (name, doc) in ENGINE_GAUGES.items():
-            value = self._stats.get(key)
+            value = engine_value(stats, key) if stats is not None else None
             if include_all or value is not None:
                 yield GaugeMetricFamily(name, doc, value=float(value or 0))
         resident = GaugeMetricFamily(
@@ -296,8 +302,9 @@ class EngineCollector:
             "Adapters per tier: device slots, host memory, disk (every registered adapter).",
             labels=["tier"],
         )
+        lora = stats.lora if stats is not None else None
         for key, tier in RESIDENCY.items():
-            if key in self._stats:
-                resident.add_metric([tier], float(self._stats[key]))
+            if lora is not None:
+                resident.add_metric([tier], float(getattr(lora, key)))
         if include_all or resident.samples:
             yield resident

@@ -5,13 +5,13 @@ multi-tenant platform (database, data directory, uploads, usage retention).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from loraplex.paths import default_data_dir
 from loraplex.platform.db.database import sqlite_url
 
 
@@ -59,11 +59,6 @@ class ServerSettings(BaseSettings):
 def load_settings(**overrides: Any) -> ServerSettings:
     """Settings from the environment, then ``overrides`` (CLI flags; None values are skipped)."""
     return ServerSettings(**{k: v for k, v in overrides.items() if v is not None})
-
-
-def default_data_dir() -> Path:
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "loraplex"
 
 
 class TenancySettings(BaseSettings):

@@ -25,12 +25,12 @@ from loraplex.platform import access
 from loraplex.platform.access import Audience
 from loraplex.platform.api import admin as admin_api
 from loraplex.platform.api import metrics as metrics_api
+from loraplex.platform.api import openai as openai_routes
+from loraplex.platform.api import registry as registry_routes
 from loraplex.platform.api import usage as usage_api
 from loraplex.platform.auth import Authenticator
 from loraplex.platform.components import Platform
 from loraplex.platform.errors import document_error_envelope, install_error_handlers
-from loraplex.platform.openai import routes as openai_routes
-from loraplex.platform.registry import routes as registry_routes
 from loraplex.platform.registry.upload import streams_own_body
 from loraplex.platform.request_log import BodyLimitMiddleware, RequestLogMiddleware
 from loraplex.platform.settings import ServerSettings, load_settings

@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-ENV_PREFIX = "LORAPLEX_"
+from loraplex.argtypes import env_bool
+from loraplex.engine_args import ENV_PREFIX, add_engine_arguments, from_args
 
 
 def _env_default(flag: str, default: Any, cast: Callable[[str], Any] = str) -> Any:
@@ -31,14 +32,6 @@ def _env_default(flag: str, default: Any, cast: Callable[[str], Any] = str) -> A
             f"{ENV_PREFIX}{flag.lstrip('-').replace('-', '_').upper()}={raw!r} is not a valid "
             f"value for {flag}"
         ) from None
-
-
-def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(text)
 
 
 def _lora_module(text: str) -> tuple[str, str]:
@@ -92,47 +85,32 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="NAME=PATH",
         help="adapters to load at start (PEFT directories or archives)",
     )
-    opt("--max-loras", 4, int, help="adapters one step may use (device slots)")
-    opt("--max-cpu-loras", 16, int, help="adapters kept in host memory")
-    opt("--max-lora-rank", 64, int)
-    opt("--block-size", 16, int)
-    opt("--num-blocks", None, int, help="KV cache blocks (instead of --kv-cache-memory)")
-    opt("--kv-cache-memory", None, int, help="KV cache bytes")
-    opt("--gpu-memory-utilization", 0.9, float)
-    opt("--max-num-seqs", 64, int)
-    opt("--max-num-batched-tokens", 512, int)
-    opt("--max-model-len", None, int)
-    opt("--dtype", "auto", choices=("auto", "float32", "float16", "bfloat16"))
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=_env_default("--enable-prefix-caching", True, _bool),
-    )
+    add_engine_arguments(p.add_argument_group("engine"), env=True)
     opt("--data-dir", None, help="database and adapter files (default ~/.local/share/loraplex)")
     opt("--database-url", None, help="any SQLAlchemy URL (default: SQLite in --data-dir)")
     p.add_argument(
         "--migrate",
         action=argparse.BooleanOptionalAction,
-        default=_env_default("--migrate", True, _bool),
+        default=_env_default("--migrate", True, env_bool),
         help="apply database migrations at start (--no-migrate: run `loraplex db upgrade` "
         "yourself)",
     )
     p.add_argument(
         "--share-prefix-cache",
         action="store_true",
-        default=_env_default("--share-prefix-cache", False, _bool),
+        default=_env_default("--share-prefix-cache", False, env_bool),
         help="let tenants share the base model's prefix-cache blocks (default: salted per tenant)",
     )
     p.add_argument(
         "--demo",
         action="store_true",
-        default=_env_default("--demo", False, _bool),
+        default=_env_default("--demo", False, env_bool),
         help="create a demo tenant with a key and two small adapters, and print how to call them",
     )
     p.add_argument(
         "--no-platform",
         action="store_true",
-        default=_env_default("--no-platform", False, _bool),
+        default=_env_default("--no-platform", False, env_bool),
         help="serve the OpenAI API alone: no database, tenants or admin UI (one --api-key)",
     )
     opt("--shutdown-timeout", 10.0, float, help="seconds to finish in-flight requests on SIGTERM")
@@ -140,36 +118,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--engine-in-process",
         action="store_true",
-        default=_env_default("--engine-in-process", False, _bool),
+        default=_env_default("--engine-in-process", False, env_bool),
         help="run the engine in the server process (debugging; no crash isolation)",
     )
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
     from loraplex.engine.default_model import resolve_model_dir
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    config = EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            kv_cache_memory=args.kv_cache_memory,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            enable_prefix_caching=args.enable_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
-        ),
-        lora=LoRAConfig(
-            max_loras=args.max_loras,
-            max_cpu_loras=args.max_cpu_loras,
-            max_lora_rank=args.max_lora_rank,
-        ),
-    )
+    config = from_args(args, model=args.model)
     model_dir = resolve_model_dir(args.model)
     return asyncio.run(_serve(args, config, model_dir))
 

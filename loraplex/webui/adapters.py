@@ -19,7 +19,6 @@ written. A refused upload is shown inline in the form with the registry's messag
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Annotated, Any
@@ -33,6 +32,7 @@ from starlette.responses import Response
 from loraplex.platform import tenants as tenant_service
 from loraplex.platform.db.models import Adapter, AdapterVersion, Tenant
 from loraplex.platform.db.scope import TenantScope
+from loraplex.platform.engine_state import EngineNotAnswering, read_engine_stats
 from loraplex.platform.errors import APIError
 from loraplex.platform.registry.names import parse_ref
 from loraplex.platform.registry.service import Registry
@@ -140,22 +140,14 @@ async def read_residency(request: Request) -> Residency:
     if not client.healthy:
         return Residency(None, error="The engine is not running.")
     try:
-        stats: dict[str, Any] = await asyncio.wait_for(client.stats(), STATS_TIMEOUT_S)
-    except Exception as exc:  # a dead or hung engine is a state to show, not an error page
-        return Residency(None, error=f"The engine did not report its state ({type(exc).__name__}).")
-    raw = stats.get("lora_residency")
-    tiers = {str(k): str(v) for k, v in raw.items()} if isinstance(raw, dict) else None
-
-    def count(key: str) -> int | None:
-        value = stats.get(key)
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-    return Residency(
-        tiers,
-        count("lora_resident_device"),
-        count("lora_resident_host"),
-        count("lora_registered"),
-    )
+        stats = await read_engine_stats(client, STATS_TIMEOUT_S)
+    except EngineNotAnswering as exc:  # a dead or hung engine is a state to show, not an error
+        return Residency(None, error=f"The engine did not report its state ({exc.reason}).")
+    lora = stats.lora
+    if lora is None:
+        return Residency(None, error="The engine serves no adapters (LoRA is off).")
+    tiers = {k: str(v) for k, v in lora.residency.items()} if lora.residency is not None else None
+    return Residency(tiers, lora.resident_device, lora.resident_host, lora.registered)
 
 
 # ---- the list ---------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ one call per finished request: ``observe(ttft_s, tokens)``, or ``observe_record(
 
 from __future__ import annotations
 
-import asyncio
 import math
 import threading
 import time
@@ -21,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplex.engine.client import EngineClient
+from loraplex.engine.client import EngineClient, EngineStats
+from loraplex.platform.engine_state import EngineNotAnswering, read_engine_stats
 from loraplex.platform.request_log import RequestRecord
 
 SLOT_S = 10.0
@@ -252,16 +252,6 @@ class EngineView:
         }
 
 
-def _int(stats: dict[str, Any], key: str) -> int | None:
-    value = stats.get(key)
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _float(stats: dict[str, Any], key: str) -> float | None:
-    value = stats.get(key)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
 def _count(value: int | None) -> str:
     return "—" if value is None else f"{value:,}"
 
@@ -297,34 +287,34 @@ class EngineMonitor:
         self.rate = CounterRate()
 
     async def read(self) -> EngineView:
-        if not self.client.healthy:
-            return EngineView(up=False, error="The engine is not running (it may be restarting).")
         try:
-            stats = await asyncio.wait_for(self.client.stats(), self.timeout_s)
-        except asyncio.TimeoutError:
-            return EngineView(
-                up=False, error=f"The engine did not answer within {self.timeout_s:g} s."
-            )
-        except Exception as exc:  # a dead engine is a state to show, not an error page
-            return EngineView(up=False, error=f"{type(exc).__name__}: {exc}"[:300])
+            stats = await read_engine_stats(self.client, self.timeout_s)
+        except EngineNotAnswering as exc:  # a dead engine is a state to show, not an error page
+            return EngineView(up=False, error=_sentence(exc.reason))
         return self.view(stats)
 
-    def view(self, stats: dict[str, Any]) -> EngineView:
-        generated = _float(stats, "num_generated_tokens")
-        tokens_per_s = self.rate.update(generated) if generated is not None else None
+    def view(self, stats: EngineStats) -> EngineView:
+        generated = float(stats.num_generated_tokens)
+        tokens_per_s = self.rate.update(generated)
         if tokens_per_s is None:
             tokens_per_s = self.recorder.recent_tokens_per_s()
+        lora = stats.lora
         return EngineView(
             up=True,
-            running=_int(stats, "num_running"),
-            waiting=_int(stats, "num_waiting"),
-            kv_usage=_float(stats, "kv_cache_usage"),
-            kv_blocks_used=_int(stats, "kv_blocks_used"),
-            kv_blocks_total=_int(stats, "kv_blocks_total"),
-            prefix_hit_rate=_float(stats, "prefix_cache_hit_rate"),
+            running=stats.num_running,
+            waiting=stats.num_waiting,
+            kv_usage=stats.kv_cache_usage,
+            kv_blocks_used=stats.kv_blocks_used,
+            kv_blocks_total=stats.kv_blocks_total,
+            prefix_hit_rate=stats.prefix_cache_hit_rate,
             tokens_per_s=tokens_per_s,
-            adapters_device=_int(stats, "lora_resident_device"),
-            adapters_host=_int(stats, "lora_resident_host"),
-            adapters_disk=_int(stats, "lora_registered"),
-            restarts=_int(stats, "engine_restarts"),
+            adapters_device=lora.resident_device if lora else None,
+            adapters_host=lora.resident_host if lora else None,
+            adapters_disk=lora.registered if lora else None,
+            restarts=stats.engine_restarts,
         )
+
+
+def _sentence(text: str) -> str:
+    text = text[:1].upper() + text[1:]
+    return text if text.endswith(".") else text + "."

@@ -16,6 +16,7 @@ from loraplex.bench.adapters import (
     make_random_adapters,
     requests_per_adapter,
 )
+from loraplex.bench.common import ThroughputOptions
 from loraplex.bench.flops import ModelShape, workload_flops
 from loraplex.bench.multi_lora import run_order
 from loraplex.bench.peft_baselines import (
@@ -27,7 +28,7 @@ from loraplex.bench.peft_baselines import (
     select_batches,
     static_plan,
 )
-from loraplex.bench.throughput import ThroughputOptions, run_throughput
+from loraplex.bench.throughput import run_throughput
 from tests.conftest import make_tiny_model
 from tests.test_cli import _english_tokenizer
 

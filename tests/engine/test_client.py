@@ -143,9 +143,9 @@ def served(request: pytest.FixtureRequest, model_dir: str) -> Iterator[Served]:
 
 def assert_engine_idle(served: Served) -> None:
     stats = served.run(served.client.stats())
-    assert stats["kv_blocks_used"] == 0, stats
-    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
-    assert stats["num_inflight"] == 0, stats
+    assert stats.kv_blocks_used == 0, stats
+    assert stats.num_running == 0 and stats.num_waiting == 0, stats
+    assert stats.num_inflight == 0, stats
 
 
 def workload(seed: int, n: int) -> tuple[list[list[int]], list[int]]:
@@ -216,7 +216,7 @@ def test_abort_mid_stream_frees_every_block(served: Served) -> None:
                 await client.abort("ab")
                 # The blocks are free before any later call is served.
                 stats = await client.stats()
-                assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0, stats
+                assert stats.kv_blocks_used == 0 and stats.num_running == 0, stats
         return seen
 
     seen = served.run(go())
@@ -238,7 +238,7 @@ def test_consumer_close_or_cancel_aborts(served: Served) -> None:
                 break
         await stream.aclose()
         stats = await client.stats()
-        assert stats["kv_blocks_used"] == 0 and stats["num_inflight"] == 0, stats
+        assert stats.kv_blocks_used == 0 and stats.num_inflight == 0, stats
 
     async def cancel_consumer() -> None:
         started = asyncio.Event()
@@ -253,7 +253,7 @@ def test_consumer_close_or_cancel_aborts(served: Served) -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         stats = await client.stats()
-        assert stats["kv_blocks_used"] == 0 and stats["num_inflight"] == 0, stats
+        assert stats.kv_blocks_used == 0 and stats.num_inflight == 0, stats
 
     served.run(close_early())
     served.run(cancel_consumer())
@@ -295,7 +295,7 @@ def test_adapters_through_the_client(
     served.run(client.remove_lora(info.key))
     with pytest.raises(ValueError, match="not loaded"):
         client.generate("lc", prompt, params, lora_key=info.key)
-    assert served.run(client.stats())["lora_registered"] == 0
+    assert served.run(client.stats()).lora.registered == 0
     assert_engine_idle(served)
 
 
@@ -313,7 +313,7 @@ def test_adapter_references_across_owners(served: Served, adapter_dir: str, tmp_
     op = served.run(client.add_lora("a8", adapter_dir))
     reg = served.run(client.add_lora("t/a8@1", str(copy), owner="registry"))
     assert reg.key == op.key and client.lora_owners(op.key) == {"operator", "registry"}
-    assert served.run(client.stats())["lora_registered"] == 1  # one engine copy
+    assert served.run(client.stats()).lora.registered == 1  # one engine copy
 
     served.run(client.remove_lora(op.key))  # the operator's unload: the registry keeps it
     assert client.has_lora(op.key) and client.lora_owners(op.key) == {"registry"}
@@ -331,12 +331,12 @@ def test_adapter_references_across_owners(served: Served, adapter_dir: str, tmp_
 
     assert served.run(release_while_running()) == (True, True)
     assert not client.has_lora(op.key)
-    assert served.run(client.stats())["lora_registered"] == 0
+    assert served.run(client.stats()).lora.registered == 0
     assert client.retain_lora(op.key, "registry", str(copy)) is False  # gone: add it again
     again = served.run(client.add_lora("t/a8@2", str(copy), owner="registry"))
     assert again.key == op.key and client.has_lora(op.key)
     served.run(client.release_lora(op.key, owner="registry"))
-    assert served.run(client.stats())["lora_registered"] == 0
+    assert served.run(client.stats()).lora.registered == 0
     assert_engine_idle(served)
 
 

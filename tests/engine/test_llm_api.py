@@ -89,7 +89,7 @@ def test_seed_gives_same_output_whatever_the_batch(llm: LLM) -> None:
 
 
 def test_n_samples_share_prompt_and_differ(llm: LLM) -> None:
-    before = llm.engine_stats()["num_prompt_tokens_computed"]
+    before = llm.engine_stats().num_prompt_tokens_computed
     prompt = list(range(40, 70))  # 30 tokens: 7 full blocks of 4 and a partial one
     out = llm.generate(
         [prompt], SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=7), use_tqdm=False
@@ -98,7 +98,7 @@ def test_n_samples_share_prompt_and_differ(llm: LLM) -> None:
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # distinct seeds per sample
     # The prompt was computed once for the four samples (forked, copy-on-write).
-    assert llm.engine_stats()["num_prompt_tokens_computed"] - before == len(prompt)
+    assert llm.engine_stats().num_prompt_tokens_computed - before == len(prompt)
     again = llm.generate(
         [prompt], SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=7), use_tqdm=False
     )[0]

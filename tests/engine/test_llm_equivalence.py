@@ -98,10 +98,10 @@ def test_matches_hf_greedy(
         assert diverged <= 2, f"{name}: {diverged} of 16 sequences diverged within float noise"
         stats = llm.engine_stats()
         if name == "preempt":
-            assert stats["num_preemptions"] > 0, stats
+            assert stats.num_preemptions > 0, stats
         if name == "prefix":
             # 7 later prompts share the first's 37-token prefix: 4 full blocks of 8 each.
-            assert stats["prefix_cache_hits"] >= 7 * 32, stats
+            assert stats.prefix_cache_hits >= 7 * 32, stats
         if name == "chunked":
-            assert stats["num_steps"] > sum(len(p) for p in prompts) // 7
-        assert stats["kv_blocks_used"] == 0, stats
+            assert stats.num_steps > sum(len(p) for p in prompts) // 7
+        assert stats.kv_blocks_used == 0, stats

@@ -74,8 +74,8 @@ def test_kill_9_under_load_fails_inflight_then_restarts_with_adapters(tmp_path: 
         assert client.pid != old_pid and client.engine_restarts == 1
 
         stats = served.run(client.stats())
-        assert stats["engine_restarts"] == 1 and stats["num_inflight"] == 0
-        assert stats["lora_registered"] == 1 and stats["kv_blocks_used"] == 0
+        assert stats.engine_restarts == 1 and stats.num_inflight == 0
+        assert stats.lora.registered == 1 and stats.kv_blocks_used == 0
         after = served.run(collect(client.generate("post", prompt, greedy, lora_key=lora.key)))
         assert sample_tokens(after) == sample_tokens(before)  # same adapter, same key
         again = served.run(client.add_lora("a4", adapter_dir))

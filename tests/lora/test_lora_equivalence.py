@@ -106,16 +106,16 @@ def test_mixed_batch_matches_peft(setup, scenario: str) -> None:  # type: ignore
     stats = llm.engine_stats()
     if scenario != "all-slots":
         # 4 adapters through 2 slots: slots were reloaded with other adapters between steps
-        assert stats["lora_slot_loads"] >= len(ADAPTERS) > SCENARIOS[scenario]["max_loras"], stats
-        assert stats["lora_slot_evictions"] > 0, stats
-    tiers = stats["lora_residency"]
+        assert stats.lora.slot_loads >= len(ADAPTERS) > SCENARIOS[scenario]["max_loras"], stats
+        assert stats.lora.slot_evictions > 0, stats
+    tiers = stats.lora.residency
     assert len(tiers) == len(ADAPTERS) and set(tiers.values()) <= {"device", "host", "disk"}
-    assert sum(t == "device" for t in tiers.values()) == stats["lora_resident_device"], stats
+    assert sum(t == "device" for t in tiers.values()) == stats.lora.resident_device, stats
     if scenario == "swapping":
-        assert stats["lora_host_evictions"] > 0 and stats["lora_disk_loads"] > len(ADAPTERS), stats
+        assert stats.lora.host_evictions > 0 and stats.lora.disk_loads > len(ADAPTERS), stats
     if scenario == "chunked-preempt":
-        assert stats["num_preemptions"] > 0, stats
-    assert stats["kv_blocks_used"] == 0
+        assert stats.num_preemptions > 0, stats
+    assert stats.kv_blocks_used == 0
 
 
 def test_adapters_change_outputs(setup) -> None:  # type: ignore[no-untyped-def]

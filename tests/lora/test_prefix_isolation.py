@@ -29,7 +29,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, str]:
 
 
 def hits(llm: LLM) -> int:
-    return int(llm.engine_stats()["prefix_cache_hits"])
+    return int(llm.engine_stats().prefix_cache_hits)
 
 
 def blocks_of(llm: LLM) -> set[int]:

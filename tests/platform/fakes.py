@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import random
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ from loraplex.engine.client import (
     RequestDelta,
     validate_prompt,
 )
+from loraplex.engine.info import EngineStats, LoRAStats
 from loraplex.engine.records import TokenLogprobs
 from loraplex.sampling_params import SamplingParams
 
@@ -187,4 +189,34 @@ class FakeEngineClient(EngineClient):
         if not self.alive:
             raise EngineDeadError("the fake engine is dead")
         await asyncio.sleep(self.stats_delay)
-        return dict(self.engine_stats)
+        return stats_from_flat(self.engine_stats)
+
+
+_LORA_KEYS = {
+    "lora_disk_loads": "disk_loads",
+    "lora_host_hits": "host_hits",
+    "lora_host_evictions": "host_evictions",
+    "lora_slot_loads": "slot_loads",
+    "lora_slot_hits": "slot_hits",
+    "lora_slot_evictions": "slot_evictions",
+    "lora_resident_device": "resident_device",
+    "lora_resident_host": "resident_host",
+    "lora_registered": "registered",
+    "lora_residency": "residency",
+}
+
+
+def stats_from_flat(flat: dict[str, Any]) -> EngineStats:
+    """An ``EngineStats`` from the flat names tests script (``lora_registered`` and the like
+    for its LoRA part, present only when one of them is given)."""
+    known = {f.name for f in dataclasses.fields(EngineStats)}
+    unknown = set(flat) - known - set(_LORA_KEYS) - {"prefix_cache_hit_rate"}
+    assert not unknown, f"not EngineStats fields: {sorted(unknown)}"
+    lora = {_LORA_KEYS[k]: v for k, v in flat.items() if k in _LORA_KEYS}
+    top = {k: v for k, v in flat.items() if k in known}
+    if "prefix_cache_hit_rate" in flat and "prefix_cache_queries" not in flat:  # a scripted rate
+        top["prefix_cache_queries"], top["prefix_cache_hits"] = (
+            1000,
+            round(1000 * flat["prefix_cache_hit_rate"]),
+        )
+    return EngineStats(**top, lora=LoRAStats(**lora) if lora else None)

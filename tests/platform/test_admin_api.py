@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import insert
 
-from loraplex.platform.api import admin as admin_api
+from loraplex.platform import engine_state
 from loraplex.platform.db.models import Tenant, utcnow
 from tests.platform.tenancy_env import bearer
 
@@ -302,7 +302,7 @@ async def test_engine_state(tenancy: Any, monkeypatch: pytest.MonkeyPatch) -> No
     assert state["prefix_cache_hit_rate"] == 0.5
     assert state["adapters"] == {"device": 2, "host": 5, "registered": 9}
 
-    monkeypatch.setattr(admin_api, "ENGINE_STATS_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(engine_state, "ENGINE_STATS_TIMEOUT_S", 0.05)
     env.fake.stats_delay = 1.0
     r = await env.http.get("/admin/api/engine", headers=env.admin_headers)
     assert r.status_code == 503 and "did not answer" in r.json()["error"]["message"]

@@ -6,6 +6,7 @@ adapters included, succeed again with the same outputs as before the crash."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -45,7 +46,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerThr
 
     @app.get("/test/engine-stats", include_in_schema=False)
     async def engine_stats() -> dict[str, Any]:
-        return await client.stats()
+        return dataclasses.asdict(await client.stats())
 
     with ServerThread(app) as server:
         r = httpx.post(

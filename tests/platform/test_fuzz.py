@@ -19,7 +19,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from loraplex.engine.client import RequestDelta
-from loraplex.platform.openai.protocol import ErrorResponse
+from loraplex.platform.errors import ErrorResponse
 from tests.platform.conftest import make_app
 from tests.platform.fakes import FakeEngineClient
 

@@ -12,6 +12,7 @@ nothing and holds no KV block (cached prefix blocks are free, reusable blocks, s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import statistics
@@ -112,7 +113,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerThr
 
     @app.get("/test/engine-stats", include_in_schema=False)
     async def engine_stats() -> dict[str, Any]:
-        return await client.stats()
+        return dataclasses.asdict(await client.stats())
 
     with ServerThread(app) as server:
         for name, path in adapter_dirs.items():

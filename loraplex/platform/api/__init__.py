@@ -1,4 +1,5 @@
-"""The platform's HTTP routers that are not part of a component package (the OpenAI API is
-``platform.openai.routes``, the adapter registry's ``platform.registry.routes``): the admin API,
-a tenant's usage, the metrics. Each router is mounted with its audience by
-``loraplex.server.mount_routes``."""
+"""The platform's HTTP routers: the OpenAI API (``openai``), the adapter registry's tenant and
+operator routes (``registry``), the admin API (``admin``), a tenant's usage (``usage``) and the
+metrics (``metrics``). The components they call live beside them in ``platform``; nothing there
+imports these. ``loraplex.server.mount_routes`` mounts each router with its audience.
+"""

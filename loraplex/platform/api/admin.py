@@ -11,7 +11,7 @@ silently.
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import datetime as dt
 import logging
 from functools import partial
@@ -26,6 +26,7 @@ from loraplex.platform.access import operator_caller
 from loraplex.platform.auth import Caller
 from loraplex.platform.db.models import ApiKey, Tenant, utcnow
 from loraplex.platform.deps import ClientDep, StoreDep, TenantsDep, UsageDep
+from loraplex.platform.engine_state import EngineNotAnswering, read_engine_stats
 from loraplex.platform.errors import APIError, clip, engine_unavailable
 from loraplex.platform.keys import display_key
 
@@ -35,7 +36,6 @@ MAX_PAGE = 500
 MAX_OFFSET = 10**9  # far past any tenant list, and inside every database's integer
 # Keys expire before this: far enough for "never", near enough that no conversion overflows.
 MAX_EXPIRES_AT = dt.datetime(9999, 1, 1, tzinfo=dt.timezone.utc)
-ENGINE_STATS_TIMEOUT_S = 5.0
 
 router = APIRouter(prefix="/admin/api", tags=["admin"])
 operator = Depends(operator_caller)  # the router's audience is "operator" (app.mount_routes)
@@ -361,32 +361,27 @@ async def audit_log(
 @router.get("/engine")
 async def engine_state(client: ClientDep, caller: Caller = operator) -> dict[str, Any]:
     """The engine now: running and waiting requests, KV cache use, prefix-cache hit rate,
-    adapters per tier (device slots, host cache, registered), and the raw stats. 503 with the
-    reason when the engine does not answer."""
-    if not client.healthy:
-        raise engine_unavailable("it is not running; it may be restarting")
+    adapters per tier (device slots, host cache, registered), and the whole snapshot. 503 with
+    the reason when the engine does not answer."""
     try:
-        stats = await asyncio.wait_for(client.stats(), timeout=ENGINE_STATS_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        raise engine_unavailable(
-            f"it did not answer within {ENGINE_STATS_TIMEOUT_S:.0f} s"
-        ) from None
-    except Exception as exc:  # a dead engine is exactly what this reports
-        raise engine_unavailable(f"{type(exc).__name__}: {exc}"[:200]) from None
+        stats = await read_engine_stats(client)
+    except EngineNotAnswering as exc:
+        raise engine_unavailable(exc.reason) from None
+    lora = stats.lora
     return {
         "object": "engine",
         "healthy": True,
-        "running": stats.get("num_running"),
-        "waiting": stats.get("num_waiting"),
-        "kv_cache_usage": stats.get("kv_cache_usage"),
-        "kv_blocks_used": stats.get("kv_blocks_used"),
-        "kv_blocks_total": stats.get("kv_blocks_total"),
-        "prefix_cache_hit_rate": stats.get("prefix_cache_hit_rate"),
-        "num_preemptions": stats.get("num_preemptions"),
+        "running": stats.num_running,
+        "waiting": stats.num_waiting,
+        "kv_cache_usage": stats.kv_cache_usage,
+        "kv_blocks_used": stats.kv_blocks_used,
+        "kv_blocks_total": stats.kv_blocks_total,
+        "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+        "num_preemptions": stats.num_preemptions,
         "adapters": {
-            "device": stats.get("lora_resident_device"),
-            "host": stats.get("lora_resident_host"),
-            "registered": stats.get("lora_registered"),
+            "device": lora.resident_device if lora else None,
+            "host": lora.resident_host if lora else None,
+            "registered": lora.registered if lora else None,
         },
-        "stats": stats,
+        "stats": dataclasses.asdict(stats) | {"prefix_cache_hit_rate": stats.prefix_cache_hit_rate},
     }

@@ -8,6 +8,7 @@ disposed afterwards.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,13 +21,22 @@ from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
 from sqlalchemy import Connection, Engine
 
-import loraplex.migrations
 from loraplex.platform.db.database import make_engine
 
 Target = str | Engine | Connection
 T = TypeVar("T")
 
-SCRIPT_LOCATION = Path(loraplex.migrations.__file__).resolve().parent
+
+def _script_location() -> Path:
+    """The revisions' package, found without importing it: the migrations import the platform's
+    models (the revisions sit above the platform), not the other way round."""
+    spec = importlib.util.find_spec("loraplex.migrations")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the loraplex.migrations package is missing from this installation")
+    return Path(next(iter(spec.submodule_search_locations))).resolve()
+
+
+SCRIPT_LOCATION = _script_location()
 # PostgreSQL advisory lock held while migrating ("loraplex" in ASCII): replicas take turns.
 LOCK_KEY = 0x6C6F7261706C6578
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import anyio
 
+from loraplex.detokenizer import IncrementalDetokenizer
 from loraplex.engine.client import EngineClient, RequestDelta
-from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.records import TokenLogprobs
 from loraplex.sampling_params import SamplingParams
 

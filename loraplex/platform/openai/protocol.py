@@ -165,19 +165,6 @@ class ChatCompletionRequest(SamplingFields):
 # ---- responses -------------------------------------------------------------------------------
 
 
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """Every 4xx/5xx body (``errors.APIError``); for the routes' documented ``responses``."""
-
-    error: ErrorInfo
-
-
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 

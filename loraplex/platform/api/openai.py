@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from importlib import metadata
 
 from fastapi import APIRouter, Depends, Request
@@ -15,6 +14,7 @@ from loraplex.engine.client import EngineClient
 from loraplex.platform.access import inference_caller, operator_caller
 from loraplex.platform.auth import Caller
 from loraplex.platform.deps import ServingDep
+from loraplex.platform.engine_state import EngineNotAnswering, read_engine_stats
 from loraplex.platform.errors import APIError, model_not_found
 from loraplex.platform.model_resolver import ModelEntry, ModelResolver
 from loraplex.platform.openai.protocol import (
@@ -161,12 +161,12 @@ async def health(serving: ServingDep) -> Health | Response:
     healthy = client.healthy
     if healthy:
         try:
-            stats = await asyncio.wait_for(client.stats(), timeout=5.0)
-        except Exception as exc:  # a hung or dead engine is exactly what /health reports
+            stats = await read_engine_stats(client)
+        except EngineNotAnswering as exc:  # a hung or dead engine is exactly what /health says
             healthy = False
-            engine.update(healthy=False, error=f"{type(exc).__name__}: {exc}"[:200])
+            engine.update(healthy=False, error=exc.reason)
         else:
-            engine.update({k: stats[k] for k in _HEALTH_STATS if k in stats})
+            engine.update({k: getattr(stats, k) for k in _HEALTH_STATS})
     if not client.healthy:
         engine["reason"] = client.unhealthy_reason
     body = Health(status="ok" if healthy else "unhealthy", engine=engine)

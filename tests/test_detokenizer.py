@@ -16,7 +16,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from loraplex.engine.detokenizer import IncrementalDetokenizer
+from loraplex.detokenizer import IncrementalDetokenizer
 from loraplex.sampling_params import SamplingParams
 
 CORPUS = [

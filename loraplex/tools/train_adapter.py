@@ -10,7 +10,7 @@ The recipe (a few minutes on 2 CPU cores for the embedded SmolLM2-135M-Instruct)
    the loss only on the answer tokens and the closing ``<|im_end|>``;
 5. the adapter is saved with ``save_pretrained`` (``adapter_model.safetensors``).
 
-Command line: ``python -m loraplex.lora.train --behaviour caps --output DIR`` (or
+Command line: ``python -m loraplex.tools.train_adapter --behaviour caps --output DIR`` (or
 ``scripts/train_adapter.py``), which prints one line with the wall time and the final loss.
 """
 

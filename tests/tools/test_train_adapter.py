@@ -1,4 +1,4 @@
-"""A really trained adapter (loraplex.lora.train, short run) on the embedded SmolLM2: loraplex's
+"""A really trained adapter (loraplex.tools.train_adapter, short run) on the embedded SmolLM2: loraplex's
 greedy text with it equals PEFT's ``generate(do_sample=False)`` text, and it differs from the base
 model's. Where the texts differ, the float-noise rule of tests/reference.py decides.
 """
@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from loraplex import LoRARequest, SamplingParams
-from loraplex.lora.train import TrainConfig, TrainResult, chat_prompt, make_questions, train_adapter
+from loraplex.tools.train_adapter import (
+    TrainConfig,
+    TrainResult,
+    chat_prompt,
+    make_questions,
+    train_adapter,
+)
 from tests.reference import TOP, assert_close, greedy_reference, traces
 
 MAX_TOKENS = 16
@@ -105,4 +111,4 @@ def test_trained_adapter_matches_peft_and_changes_output(trained: tuple[str, Tra
         text = o.outputs[0].text
         assert text != b.outputs[0].text, q
         assert text.startswith("Arr!"), (q, text)
-    assert llm.engine_stats()["kv_blocks_used"] == 0
+    assert llm.engine_stats().kv_blocks_used == 0

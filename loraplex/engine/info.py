@@ -1,0 +1,102 @@
+"""What crosses the engine's boundary about the engine itself, as frozen records: what it is and
+accepts (``EngineInfo``, told once at start), an adapter it loaded (``AdapterInfo``), and a
+snapshot of its state (``EngineStats``, with its LoRA part). The platform reads these, never a
+dict of string keys. No torch here: the platform imports this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from loraplex.lora.adapter import LoRAAdapter
+
+Tier = Literal["device", "host", "disk"]
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the engine is and what it accepts, told once by the engine when it starts: the
+    platform checks requests and uploads against these, never against copied defaults."""
+
+    model_dir: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    block_size: int
+    num_blocks: int  # usable KV blocks (the reserved null block excluded): kv_blocks_total
+    max_lora_rank: int  # the largest adapter rank the engine serves
+    max_loras: int  # adapters one step may use (device slots)
+    max_cpu_loras: int  # adapters kept in host memory
+    lora_target_modules: tuple[str, ...]  # the modules an adapter may target on this model
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    key: str  # the adapter's content hash: its identity in the engine and in the prefix cache
+    name: str
+    rank: int
+    target_modules: tuple[str, ...]
+    size_bytes: int
+
+    @classmethod
+    def from_adapter(cls, adapter: LoRAAdapter) -> AdapterInfo:
+        return cls(
+            key=adapter.content_hash,
+            name=adapter.name,
+            rank=adapter.rank,
+            target_modules=tuple(adapter.target_modules),
+            size_bytes=adapter.size_bytes,
+        )
+
+
+@dataclass(frozen=True)
+class LoRAStats:
+    """The adapter cache: loads and evictions per tier (totals since the engine started), how
+    many adapters each tier holds, and where each registered adapter is."""
+
+    disk_loads: int = 0  # parsed from disk (added, or reloaded after a host eviction)
+    host_hits: int = 0  # slot loads served from host memory
+    host_evictions: int = 0
+    slot_loads: int = 0  # copied into a device slot
+    slot_hits: int = 0  # steps that found their adapter in its slot already
+    slot_evictions: int = 0  # slot loads that replaced another adapter
+    resident_device: int = 0
+    resident_host: int = 0
+    registered: int = 0  # every adapter the engine knows (the disk tier)
+    # content hash -> tier, for every registered adapter (None: an engine that counts only)
+    residency: Mapping[str, Tier] | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """One snapshot of the engine. Counters are totals since the engine process started (a
+    restart starts them again; ``engine_restarts`` says when); gauges are current values.
+    ``num_inflight`` and ``engine_restarts`` are the client's own."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_cached: int = 0
+    kv_cache_usage: float = 0.0  # fraction of the usable blocks in use
+    block_size: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # ... and found
+    prefix_cache_evictions: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_prompt_tokens_computed: int = 0
+    num_generated_tokens: int = 0
+    max_model_len: int = 0
+    lora: LoRAStats | None = None  # None: the engine serves no adapters
+    num_inflight: int = 0
+    engine_restarts: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        queries = self.prefix_cache_queries
+        return self.prefix_cache_hits / queries if queries else 0.0

@@ -1,0 +1,175 @@
+"""The engine's knobs as keywords, command-line flags and environment variables: one table,
+mapped to and from ``EngineConfig``, whose records hold every default (once).
+
+    LLM(max_loras=8)                       engine_config(max_loras=8)
+    loraplex serve --max-loras 8           add_engine_arguments(parser, env=True) + from_args
+    LORAPLEX_MAX_LORAS=8 loraplex serve    (the environment gives a flag's default)
+    loraplex bench throughput --max-loras  add_engine_arguments(parser, names=...)
+
+A flag left unset maps to the config's own default, so no default is written here. Values are
+validated by the config records (a ``ValueError`` that names the field).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypedDict, get_args
+
+from loraplex.argtypes import env_bool, positive_float, positive_int
+from loraplex.config import (
+    AttentionBackendName,
+    CacheConfig,
+    DType,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SchedulingPolicy,
+)
+
+ENV_PREFIX = "LORAPLEX_"
+Section = Literal["model", "cache", "scheduler", "lora"]
+_RECORDS: dict[Section, type[Any]] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "lora": LoRAConfig,
+}
+
+
+@dataclass(frozen=True)
+class EngineArg:
+    name: str  # the keyword, the config field, and the flag: --<name with dashes>
+    section: Section
+    help: str
+    type: Callable[[str], Any] = str
+    choices: tuple[str, ...] | None = None
+    switch: bool = False  # --name / --no-name
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def default(self) -> Any:
+        fields = {f.name: f for f in dataclasses.fields(_RECORDS[self.section])}
+        return fields[self.name].default
+
+
+ENGINE_ARGS: tuple[EngineArg, ...] = (
+    EngineArg("dtype", "model", "weights and activations (auto: float32 on CPU, bf16 on CUDA)",
+              choices=get_args(DType)),
+    EngineArg("device", "model", "auto: cuda when available, else cpu"),
+    EngineArg("max_model_len", "model", "context length (default: the model's)", positive_int),
+    EngineArg("seed", "model", "the engine's random seed", int),
+    EngineArg("attention_backend", "model", "auto: the native CPU kernel where it runs",
+              choices=get_args(AttentionBackendName)),
+    EngineArg("block_size", "cache", "tokens per KV block", positive_int),
+    EngineArg("num_blocks", "cache", "KV cache blocks (instead of --kv-cache-memory)",
+              positive_int),
+    EngineArg("kv_cache_memory", "cache", "KV cache bytes", positive_int),
+    EngineArg("gpu_memory_utilization", "cache", "CUDA: fraction of device memory to use",
+              positive_float),
+    EngineArg("enable_prefix_caching", "cache", "reuse the KV of shared prompt prefixes",
+              switch=True),
+    EngineArg("max_num_seqs", "scheduler", "requests in one step", positive_int),
+    EngineArg("max_num_batched_tokens", "scheduler", "tokens in one step", positive_int),
+    EngineArg("scheduling_policy", "scheduler", "the order waiting requests are admitted in",
+              choices=get_args(SchedulingPolicy)),
+    EngineArg("max_loras", "lora", "adapters one step may use (device slots)", positive_int),
+    EngineArg("max_cpu_loras", "lora", "adapters kept in host memory", positive_int),
+    EngineArg("max_lora_rank", "lora", "the largest adapter rank accepted", positive_int),
+)  # fmt: skip
+_BY_NAME = {a.name: a for a in ENGINE_ARGS}
+
+
+class EngineKwargs(TypedDict, total=False):
+    """The keywords ``LLM(...)`` and ``engine_config`` take (each an ``EngineArg``)."""
+
+    dtype: DType
+    device: str
+    max_model_len: int | None
+    seed: int
+    attention_backend: AttentionBackendName
+    block_size: int
+    num_blocks: int | None
+    kv_cache_memory: int | None
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    scheduling_policy: SchedulingPolicy
+    max_loras: int
+    max_cpu_loras: int
+    max_lora_rank: int
+
+
+def engine_config(model: str | None = None, **knobs: Any) -> EngineConfig:
+    """``EngineConfig`` from keywords (``LLM``'s); a keyword not given keeps the default."""
+    unknown = sorted(set(knobs) - set(_BY_NAME))
+    if unknown:
+        raise TypeError(
+            f"unknown engine option(s) {', '.join(unknown)}; the options are {', '.join(_BY_NAME)}"
+        )
+    sections: dict[Section, dict[str, Any]] = {s: {} for s in _RECORDS}
+    sections["model"]["model"] = model
+    for name, value in knobs.items():
+        sections[_BY_NAME[name].section][name] = value
+    return EngineConfig(**{s: _RECORDS[s](**kw) for s, kw in sections.items()})
+
+
+def knobs_of(config: EngineConfig) -> dict[str, Any]:
+    """Every knob's value in ``config`` (the inverse of ``engine_config``)."""
+    return {a.name: getattr(getattr(config, a.section), a.name) for a in ENGINE_ARGS}
+
+
+def add_engine_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    *,
+    env: bool = False,
+    names: Collection[str] | None = None,
+    environ: Mapping[str, str] = os.environ,
+) -> None:
+    """Add the engine's flags (``names``: only those). With ``env``, ``LORAPLEX_<NAME>`` gives a
+    flag's default. A flag not given is None (``from_args`` then keeps the config's default)."""
+    for arg in ENGINE_ARGS:
+        if names is not None and arg.name not in names:
+            continue
+        default = _from_env(arg, environ) if env else None
+        help_text = f"{arg.help} (default {arg.default}" + (f"; env {arg.env})" if env else ")")
+        if arg.switch:
+            parser.add_argument(
+                arg.flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
+            )
+        else:
+            parser.add_argument(
+                arg.flag, type=arg.type, choices=arg.choices, default=default, help=help_text
+            )
+
+
+def from_args(args: argparse.Namespace, model: str | None = None) -> EngineConfig:
+    """``EngineConfig`` from parsed flags (those ``add_engine_arguments`` added and were set)."""
+    knobs = {a.name: getattr(args, a.name) for a in ENGINE_ARGS if hasattr(args, a.name)}
+    return engine_config(model, **{k: v for k, v in knobs.items() if v is not None})
+
+
+def _from_env(arg: EngineArg, environ: Mapping[str, str]) -> Any:
+    raw = environ.get(arg.env)
+    if raw is None:
+        return None
+    cast = env_bool if arg.switch else arg.type
+    try:
+        value = cast(raw)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise ValueError(f"{arg.env}={raw!r} is not a valid value for {arg.flag}") from None
+    if arg.choices is not None and value not in arg.choices:
+        raise ValueError(f"{arg.env}={raw!r}: {arg.flag} is one of {', '.join(arg.choices)}")
+    return value
