@@ -15,8 +15,9 @@ text as it arrives. Events::
     event: done    data: {"finish_reason": "stop", "completion_tokens": 42, "seconds": 0.8}
     event: error   data: {"message": "..."}        (instead of done)
 
-Requests run through the serving layer's own parts (the model resolver, with the registry for a
-tenant's adapters; the chat template; ``Generation``) as the operator acting for the tenant: a
+Requests run through the serving layer (``OpenAIServing.open_console_run``: the model resolver,
+with the registry for a tenant's adapters; the chat template and tokenizing off the event loop;
+``Generation``; the same accounting as API requests) as the operator acting for the tenant: a
 ``Caller`` with the tenant's id and prefix-cache salt, id ``admin-playground:<tenant>``, scope
 ``inference`` only. They skip the tenant's quotas, and their usage is recorded as the operator's
 (no tenant, model ``playground:<tenant>/<model>``): a tenant is never billed for the console's
@@ -38,19 +39,16 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from sqlalchemy.orm import Session
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from loraplex.engine.client import EngineDeadError
 from loraplex.platform import tenants as tenant_service
 from loraplex.platform.auth import SCOPE_INFERENCE, Caller
 from loraplex.platform.errors import APIError, engine_unavailable, invalid_request
-from loraplex.platform.openai.chat import render_chat
 from loraplex.platform.openai.generation import Generation
-from loraplex.platform.openai.params import sentence
-from loraplex.platform.openai.protocol import ChatMessage
-from loraplex.platform.openai.serving import OpenAIServing
+from loraplex.platform.openai.serving import OpenAIServing, account
+from loraplex.platform.openai.sse import SSEResponse
 from loraplex.platform.request_log import CLIENT_CLOSED, RequestRecord
-from loraplex.sampling_params import SamplingParams
 from loraplex.webui.adapters import tenant_choices
 from loraplex.webui.context import (
     Admin,
@@ -189,24 +187,35 @@ class Run:
     started: float = field(default_factory=time.perf_counter)
 
 
-def _build_prompt(tokenizer: Any, prompt: str) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        return render_chat(tokenizer, [ChatMessage(role="user", content=prompt)], True)
-    return list(tokenizer(prompt).input_ids)  # a model without a chat template: plain text
-
-
 async def open_run(
     request: Request, caller: Caller, trial: Trial, side: Side, model_name: str
 ) -> Run:
-    """Resolve, tokenize and open one side; raises ``APIError`` (4xx/5xx) when it cannot run."""
+    """Open one side through the serving layer (the API's resolve, checks and tokenizing, off
+    the event loop); raises ``APIError`` (4xx/5xx) when it cannot run."""
     serving = _serving(request)
-    client = serving.client
-    model = await serving.resolver.lookup(caller, model_name)
-    if not client.healthy:
-        raise engine_unavailable()
+    rid = f"playground-{uuid.uuid4().hex}"
     try:
-        tokenizer = await serving.tokenizer()
-    except Exception as exc:
+        opened = await serving.open_console_run(
+            caller,
+            model_name,
+            trial.prompt,
+            max_tokens=trial.max_tokens,
+            temperature=trial.temperature,
+            seed=SEED if trial.temperature > 0 else None,
+            request_id=rid,
+        )
+    except APIError as exc:
+        if exc.code == "context_length_exceeded" and "shorten the prompt" not in exc.message:
+            raise invalid_request(
+                f"The prompt does not fit the model's context "
+                f"({serving.client.info.max_model_len:,} tokens); shorten the prompt.",
+                "prompt",
+                "context_length_exceeded",
+            ) from None
+        raise
+    except EngineDeadError:
+        raise engine_unavailable() from None
+    except (OSError, ValueError) as exc:  # the tokenizer could not be loaded
         logger.exception("playground: the tokenizer could not be loaded")
         raise APIError(
             503,
@@ -214,54 +223,19 @@ async def open_run(
             "server log.",
             code="tokenizer_unavailable",
         ) from None
-    prompt_ids = _build_prompt(tokenizer, trial.prompt)
-    room = client.info.max_model_len - len(prompt_ids)
-    if room < 1:
-        raise invalid_request(
-            f"The prompt is {len(prompt_ids):,} tokens and the model's context holds "
-            f"{client.info.max_model_len:,}; shorten the prompt.",
-            "prompt",
-            "context_length_exceeded",
-        )
-    max_tokens = min(trial.max_tokens, room)
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=trial.temperature,
-        seed=SEED if trial.temperature > 0 else None,
-    )
-    rid = f"playground-{uuid.uuid4().hex}"
-    try:
-        generation = Generation(
-            client,
-            tokenizer,
-            rid,
-            [prompt_ids],
-            params,
-            lora_key=model.lora_key,
-            cache_extra_keys=model.cache_extra_keys,
-        )
-    except EngineDeadError:
-        raise engine_unavailable() from None
-    except ValueError as exc:
-        raise invalid_request(sentence(str(exc)), "prompt") from None
     who = trial.tenant or "operator"
     record = RequestRecord("POST", USAGE_ENDPOINT)
     record.request_id, record.caller, record.model = rid, caller.id, model_name
-    record.served_model = f"playground:{who}/{model.served_name}"
+    record.served_model = f"playground:{who}/{opened.model.served_name}"
     record.tenant_id = None  # the operator's usage: never billed to the tenant
-    return Run(side, model.served_name, generation, max_tokens, record)
+    return Run(side, opened.model.served_name, opened.generation, opened.max_tokens, record)
 
 
 def finish_run(request: Request, run: Run, status: int) -> None:
-    """Record the run's usage as the operator's."""
-    gen, record = run.generation, run.record
-    record.status = status
-    record.prompt_tokens = gen.usage.prompt_tokens
-    record.completion_tokens = gen.usage.completion_tokens
-    record.cached_tokens = gen.usage.cached_tokens
-    record.first_token_time = gen.first_token_time
-    record.generated = True
-    webui_of(request).tenancy.usage.record_request(record)
+    """Record the run's usage as the operator's (every figure the API's requests record)."""
+    run.record.status = status
+    account(run.record, run.generation)
+    webui_of(request).tenancy.usage.record_request(run.record)
 
 
 @dataclass
@@ -462,9 +436,6 @@ async def stream(request: Request, admin: FormPost) -> Response:
         )
     caller = await caller_for(request, trial.tenant)
     run = await open_run(request, caller, trial, *chosen)
-    response = StreamingResponse(
-        _stream(request, run),
-        media_type="text/event-stream; charset=utf-8",
-        headers={"X-Accel-Buffering": "no"},  # no proxy buffering: deltas go out as they come
-    )
+    # SSEResponse: a browser that goes away (or presses Stop) aborts the run at once.
+    response = SSEResponse(_stream(request, run), headers={"Cache-Control": "no-store"})
     return secure_headers(response)

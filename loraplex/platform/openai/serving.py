@@ -299,6 +299,57 @@ class OpenAIServing:
             content=[lp.chat_entry(e, self._text_of) for ev in events for e in ev.logprobs]
         )
 
+    # ---- the admin console's runs --------------------------------------------------------------
+
+    async def open_console_run(
+        self,
+        caller: Caller,
+        model_name: str,
+        text: str,
+        *,
+        max_tokens: int,
+        temperature: float,
+        seed: int | None,
+        request_id: str,
+    ) -> ConsoleRun:
+        """One prompt the way the API would run it for ``caller`` (the admin UI's playground):
+        the model resolved for the caller, ``text`` as a user message through the chat template
+        (as plain text when the model has none), tokenized off the event loop with the same
+        context checks, ``max_tokens`` cut to the room the prompt leaves. No quotas: the
+        console is the operator's. ``APIError`` says why it cannot run."""
+        model = await self.resolver.lookup(caller, model_name)
+        if not self.client.healthy:
+            raise engine_unavailable()
+        tokenizer = await self.tokenizer()
+        limit = self.client.info.max_model_len
+        if getattr(tokenizer, "chat_template", None):
+            chat = ChatCompletionRequest.model_validate(
+                {"model": model_name, "messages": [{"role": "user", "content": text}]}
+            )
+            prompt = await self.prompts.chat(
+                tokenizer,
+                chat,
+                add_generation_prompt=True,
+                continue_final_message=False,
+                max_model_len=limit,
+            )
+        else:
+            plain = CompletionRequest.model_validate({"model": model_name, "prompt": text})
+            [prompt] = await self.prompts.completion(tokenizer, plain, [text], limit)
+        room = limit - len(prompt)
+        if room < 1:
+            raise invalid_request(
+                f"The prompt is {len(prompt):,} tokens and the model's context holds "
+                f"{limit:,}; shorten the prompt.",
+                "prompt",
+                "context_length_exceeded",
+            )
+        params = SamplingParams(
+            max_tokens=min(max_tokens, room), temperature=temperature, seed=seed
+        )
+        gen = self._open(request_id, [prompt], params, model, caller, "prompt", tokenizer)
+        return ConsoleRun(model, gen, min(max_tokens, room))
+
     # ---- shared ------------------------------------------------------------------------------
 
     async def _begin(
@@ -399,7 +450,7 @@ class OpenAIServing:
         except AdapterNotLoadedError:  # deleted before the request reached the engine
             raise adapter_gone() from None
         finally:
-            _account(record, gen)
+            account(record, gen)
 
     async def _guarded(
         self, events: AsyncGenerator[str, None], gen: Generation, record: RequestRecord
@@ -415,7 +466,7 @@ class OpenAIServing:
             record.error_code, record.stream_error_status = error.code, error.status
             yield sse(error.body())
         finally:
-            _account(record, gen)
+            account(record, gen)
         yield DONE
 
     def _text_of(self, token_id: int) -> str:
@@ -425,6 +476,15 @@ class OpenAIServing:
             text = self._tokenizer.decode([token_id])
             self._token_text[token_id] = text
         return text
+
+
+@dataclass(frozen=True)
+class ConsoleRun:
+    """A console prompt, opened (the engine request starts at its first event)."""
+
+    model: ResolvedModel
+    generation: Generation
+    max_tokens: int
 
 
 class ClientGone(Response):
@@ -549,7 +609,8 @@ def _stream_error(exc: Exception) -> APIError:
     )
 
 
-def _account(record: RequestRecord, gen: Generation) -> None:
+def account(record: RequestRecord, gen: Generation) -> None:
+    """What ``gen`` produced, on its request's record (usage rows, metrics, the request log)."""
     record.prompt_tokens = gen.usage.prompt_tokens
     record.completion_tokens = gen.usage.completion_tokens
     record.cached_tokens = gen.usage.cached_tokens
