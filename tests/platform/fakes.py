@@ -35,6 +35,8 @@ class Submitted:
     params: SamplingParams
     lora_key: str | None
     cache_extra_keys: tuple[str, ...]
+    tenant: str | None = None
+    priority: int = 0
 
 
 @dataclass
@@ -110,7 +112,15 @@ class FakeEngineClient(EngineClient):
             raise EngineDeadError("the fake engine is dead")
         validate_prompt(self.info, prompt_token_ids)
         self._check_lora(lora_key)
-        sub = Submitted(request_id, list(prompt_token_ids), params, lora_key, cache_extra_keys)
+        sub = Submitted(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            lora_key,
+            cache_extra_keys,
+            tenant,
+            priority,
+        )
         return self._run(sub)
 
     async def _run(self, sub: Submitted) -> AsyncIterator[RequestDelta]:

@@ -81,6 +81,12 @@ async def test_a_key_authenticates_as_its_own_tenant(tenancy: TenancyEnv) -> Non
     salts = [s.cache_extra_keys for s in tenancy.fake.submitted]
     assert salts == [(f"salt:{tenant_row(tenancy, n)[1]}",) for n in ("acme", "globex")]
     assert salts[0] != salts[1]
+    # The engine's requests carry their tenant (its scheduling policy sees it); the operator's
+    # carry none.
+    tenants = [s.tenant for s in tenancy.fake.submitted]
+    assert tenants == [str(tenant_row(tenancy, n)[0]) for n in ("acme", "globex")]
+    r = await tenancy.http.post("/v1/chat/completions", json=CHAT, headers=tenancy.admin_headers)
+    assert r.status_code == 200 and tenancy.fake.submitted[-1].tenant is None
 
 
 async def test_every_bad_key_gets_the_same_401(tenancy: TenancyEnv) -> None:

@@ -79,7 +79,11 @@ class Generation:
         *,
         lora_key: str | None = None,
         cache_extra_keys: tuple[str, ...] = (),
+        tenant: str | None = None,
+        priority: int = 0,
     ) -> None:
+        """``tenant``: the caller's tenant id (the engine's scheduling policy sees it);
+        ``priority``: lower runs earlier."""
         self.usage = GenerationUsage(prompt_tokens=sum(len(p) for p in prompts))
         self.first_token_time: float | None = None  # perf_counter() at the first token
         self.queue_time: float | None = None  # the longest engine queue time of its samples
@@ -91,7 +95,13 @@ class Generation:
             # An engine stream is submitted on its first iteration: one never iterated (a later
             # prompt raised here) leaks nothing.
             stream = client.generate(
-                rid, prompt, params, lora_key=lora_key, cache_extra_keys=cache_extra_keys
+                rid,
+                prompt,
+                params,
+                lora_key=lora_key,
+                cache_extra_keys=cache_extra_keys,
+                tenant=tenant,
+                priority=priority,
             )
             choices = [
                 _Choice(i * n + j, IncrementalDetokenizer(tokenizer, prompt, params))

@@ -426,6 +426,7 @@ class OpenAIServing:
                 params,
                 lora_key=model.lora_key,
                 cache_extra_keys=model.cache_extra_keys,
+                tenant=caller.tenant_id,  # the engine schedules by tenant (issue 14's policy)
             )
         except AdapterNotLoadedError:  # deleted since it was resolved: as if it never was
             raise model_not_found(model.served_name) from None
