@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import time
@@ -13,35 +12,16 @@ from typing import Any
 import pytest
 
 from loraplex.bench import systems
-from loraplex.bench.workload import SENTENCES
 from loraplex.cli import main
-from tests.conftest import TINY_VOCAB, make_tiny_model
-from tests.platform.fakes import stats_from_flat
-
-
-def _english_tokenizer(path: Path) -> None:
-    """Replace the tiny model's tokenizer with a word-level one over the bench's sentence pool,
-    so that different prompts really are different token sequences."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = sorted({w for s in SENTENCES for w in re.findall(r"\w+|[^\w\s]+", s)})
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {w: i + 3 for i, w in enumerate(words)}
-    assert len(vocab) <= TINY_VOCAB
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
-    fast.save_pretrained(path)
+from tests.utils.fakes import stats_from_flat
+from tests.utils.models import english_tokenizer, make_tiny_model
 
 
 @pytest.fixture(scope="module")
 def english_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("tiny") / "llama"
     make_tiny_model(path, "llama")
-    _english_tokenizer(path)
+    english_tokenizer(path)
     return str(path)
 
 

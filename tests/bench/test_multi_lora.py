@@ -29,15 +29,14 @@ from loraplex.bench.peft_baselines import (
     static_plan,
 )
 from loraplex.bench.throughput import run_throughput
-from tests.conftest import make_tiny_model
-from tests.test_cli import _english_tokenizer
+from tests.utils.models import english_tokenizer, make_tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny_with_adapters(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str]]:
     root = tmp_path_factory.mktemp("multi-lora")
     model = make_tiny_model(root / "base", "llama", seed=5)
-    _english_tokenizer(Path(model))
+    english_tokenizer(Path(model))
     return model, make_random_adapters(model, root / "adapters", 3, rank=4, seed=1)
 
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
 from loraplex.engine.core import EngineCore
-from tests.conftest import make_tiny_model
+from tests.utils.models import make_tiny_model
 
 
 def test_build_describes_the_core_it_built(tmp_path: Path) -> None:

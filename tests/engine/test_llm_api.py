@@ -8,7 +8,7 @@ import pytest
 
 from loraplex import SamplingParams
 from loraplex.llm import LLM
-from tests.conftest import make_tiny_model
+from tests.utils.models import make_tiny_model
 
 
 @pytest.fixture(scope="module")

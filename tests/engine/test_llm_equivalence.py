@@ -1,6 +1,6 @@
 """loraplex against Hugging Face transformers, greedy, fp32, token for token.
 
-The comparison (tests/reference.py) is vLLM's: where the tokens differ, each side's token must be
+The comparison (tests/utils/reference.py) is vLLM's: where the tokens differ, each side's token must be
 in the other's top-5 logprobs (float noise), and the sequences are compared up to there. With these
 tiny random models that almost never triggers; each scenario allows at most 2 of 16.
 """
@@ -14,8 +14,8 @@ import pytest
 
 from loraplex import SamplingParams
 from loraplex.llm import LLM
-from tests.conftest import make_tiny_model
-from tests.reference import TOP, assert_close, hf_greedy, traces
+from tests.utils.models import make_tiny_model
+from tests.utils.reference import TOP, assert_close, hf_greedy, traces
 
 
 def run_ours(

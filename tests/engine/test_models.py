@@ -13,7 +13,7 @@ from loraplex.engine.attention.base import SplitAttentionMetadata
 from loraplex.engine.models.layers import PackedLinear, rope_inv_freq, rope_parameters
 from loraplex.engine.models.llama import LlamaForCausalLM
 from loraplex.engine.models.loader import build_spec, load_model
-from tests.engine.model_fixtures import CONFIGS, cache_for, hf_logits, layout_for, save_tiny
+from tests.utils.model_fixtures import CONFIGS, cache_for, hf_logits, layout_for, save_tiny
 
 BLOCK = 4
 

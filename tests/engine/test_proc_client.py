@@ -15,15 +15,14 @@ import pytest
 from loraplex import SamplingParams
 from loraplex.engine.client import EngineDeadError, EngineStartupError, RequestDelta
 from loraplex.engine.proc_client import ProcEngineClient
-from tests.conftest import make_tiny_model
-from tests.engine.test_client import (
+from tests.utils.clients import (
     collect,
     engine_config,
     sample_tokens,
     start_client,
     stop_client,
 )
-from tests.lora.test_lora_equivalence import make_adapter
+from tests.utils.models import make_adapter, make_tiny_model
 
 
 def test_kill_9_under_load_fails_inflight_then_restarts_with_adapters(tmp_path: Path) -> None:

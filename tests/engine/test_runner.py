@@ -18,7 +18,7 @@ from loraplex.engine.records import (
 )
 from loraplex.engine.runner import ModelRunner
 from loraplex.sampling_params import SamplingParams
-from tests.engine.model_fixtures import GreedySampler, hf_logits, save_tiny
+from tests.utils.model_fixtures import GreedySampler, hf_logits, save_tiny
 
 BLOCK = 4
 CPU, F32 = torch.device("cpu"), torch.float32

@@ -1,4 +1,4 @@
-"""Scheduler with the KV manager and a torch-free fake runner (tests/engine/fake_runner.py).
+"""Scheduler with the KV manager and a torch-free fake runner (tests/utils/fake_runner.py).
 
 The fake runner reads each request's context back through its block table, so these tests check
 that chunked prefill, prefix hits, preemption, forks and aborts never corrupt or leak KV.
@@ -17,7 +17,7 @@ from loraplex.engine.records import EngineCoreOutput, RunnerOutput, TokenLogprob
 from loraplex.engine.request import Request
 from loraplex.engine.scheduler import Scheduler
 from loraplex.sampling_params import SamplingParams
-from tests.engine.fake_runner import FakeRunner, next_token, reference_generate
+from tests.utils.fake_runner import FakeRunner, next_token, reference_generate
 
 
 def make(

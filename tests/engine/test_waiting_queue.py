@@ -19,7 +19,7 @@ from loraplex.engine.waiting_queue import (
     make_waiting_queue,
 )
 from loraplex.sampling_params import SamplingParams
-from tests.engine.fake_runner import FakeRunner, reference_generate
+from tests.utils.fake_runner import FakeRunner, reference_generate
 
 
 def req(rid: str, lora_key: str | None = None, max_tokens: int = 4) -> Request:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.native_spy import LibSpy, install_spy
+from tests.utils.native_spy import LibSpy, install_spy
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels import cpu_ops, native
-from tests.kernels.native_spy import LibSpy
+from tests.utils.native_spy import LibSpy
 
 # Without a compiler the wrappers run their torch paths and there is nothing to compare; on CI the
 # compiler is part of the image, so a missing library fails test_library_builds_and_loads there.

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from loraplex.engine.models.layers import Linear, PackedLinear
 from loraplex.engine.models.loader import load_model
 from loraplex.kernels import native, packed_gemm
-from tests.conftest import make_tiny_model
-from tests.kernels.native_spy import LibSpy
+from tests.utils.models import make_tiny_model
+from tests.utils.native_spy import LibSpy
 
 if native.library() is None and not os.environ.get("CI"):
     pytest.skip("native CPU kernels unavailable (no C compiler)", allow_module_level=True)

@@ -16,9 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen3Config
 
 from loraplex.lora.adapter import (
     CONFIG_NAME,
@@ -28,35 +26,10 @@ from loraplex.lora.adapter import (
     LoRAAdapter,
     load_adapter,
 )
+from tests.utils.adapters import hf_config, make_peft
 
-COMMON: dict[str, Any] = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-)
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PREFIX = "base_model.model.model.layers"
-
-
-def hf_config(arch: str) -> PretrainedConfig:
-    if arch == "qwen3":
-        # head_dim != hidden / heads
-        return Qwen3Config(**COMMON, head_dim=32, architectures=["Qwen3ForCausalLM"])
-    return LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"])
-
-
-def make_peft(out: Path, arch: str = "llama", seed: int = 0, **lora: Any) -> PeftModel:
-    """A tiny random model wrapped by PEFT with non-zero LoRA weights, saved to ``out``."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(arch), dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **lora))
-    peft_model.save_pretrained(str(out))
-    return peft_model
 
 
 def lora_layer(peft_model: Any, layer: int, module: str) -> Any:

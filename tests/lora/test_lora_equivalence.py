@@ -1,20 +1,19 @@
 """Mixed-adapter batches against PEFT, greedy, fp32: every prompt of one ``generate()`` call, for
 the base model or any of 4 adapters (ranks 4/8/16/64, different target modules), gets the tokens
-PEFT gives that prompt alone with that adapter. Comparison rule: tests/reference.py (top-5 noise).
+PEFT gives that prompt alone with that adapter. Comparison rule: tests/utils/reference.py (top-5 noise).
 """
 
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
 
 from loraplex import LoRARequest, SamplingParams
 from loraplex.llm import LLM
-from tests.conftest import make_tiny_model
-from tests.reference import TOP, assert_close, greedy_reference, traces
+from tests.utils.models import make_adapter, make_tiny_model
+from tests.utils.reference import TOP, assert_close, greedy_reference, traces
 
 ADAPTERS = {
     # name: (rank, alpha, target_modules)
@@ -23,24 +22,6 @@ ADAPTERS = {
     "a16": (16, 8, ["o_proj", "gate_proj", "down_proj"]),
     "a64": (64, 32, r".*\.(k_proj|up_proj)"),
 }
-
-
-def make_adapter(
-    model_dir: str, out: Path, rank: int, alpha: int, targets: object, seed: int
-) -> str:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False)
-    peft_model = get_peft_model(base, cfg)
-    with torch.no_grad():  # PEFT's random B is tiny; make every adapter change the outputs
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.3)
-    peft_model.save_pretrained(out)
-    return str(out)
 
 
 def peft_reference(

@@ -17,8 +17,7 @@ from loraplex.llm import LLM
 from loraplex.lora.adapter import SUPPORTED_MODULES, AdapterError
 from loraplex.lora.layers import LoRALinear
 from loraplex.lora.manager import LoRAManager
-from tests.conftest import make_tiny_model
-from tests.lora.test_lora_equivalence import make_adapter
+from tests.utils.models import make_adapter, make_tiny_model
 
 P = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
 

@@ -11,8 +11,7 @@ import pytest
 
 from loraplex import LoRARequest, SamplingParams
 from loraplex.llm import LLM
-from tests.conftest import make_tiny_model
-from tests.lora.test_lora_equivalence import make_adapter
+from tests.utils.models import make_adapter, make_tiny_model
 
 PROMPT = list(range(10, 50))  # 40 tokens = 10 full blocks of 4
 P = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -10,28 +9,9 @@ from typing import Any
 import httpx
 import pytest
 
-from loraplex.platform.settings import ServerSettings
-from loraplex.server import create_app
-from tests.conftest import TINY_VOCAB, _write_tokenizer
-from tests.platform.fakes import FakeEngineClient
-
-API_KEY = "sk-test-operator-key-0123456789"
-
-# Each message becomes "t3 <content> t4"; the generation prompt is "t5". Tool messages are
-# refused, as some real templates refuse roles they do not know.
-CHAT_TEMPLATE = (
-    "{% for m in messages %}"
-    "{% if m['role'] == 'tool' %}{{ raise_exception('tool messages are not supported') }}"
-    "{% endif %}t3 {{ m['content'] }} t4 "
-    "{% endfor %}{% if add_generation_prompt %}t5{% endif %}"
-)
-
-
-def add_chat_template(model_dir: str | Path) -> None:
-    path = Path(model_dir) / "tokenizer_config.json"
-    config = json.loads(path.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    path.write_text(json.dumps(config))
+from tests.utils.app import API_KEY, add_chat_template, make_app
+from tests.utils.fakes import FakeEngineClient
+from tests.utils.models import TINY_VOCAB, write_tokenizer
 
 
 @pytest.fixture
@@ -42,7 +22,7 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("models") / "tiny-chat"
-    _write_tokenizer(path, TINY_VOCAB)
+    write_tokenizer(path, TINY_VOCAB)
     add_chat_template(path)
     return str(path)
 
@@ -57,10 +37,6 @@ def tokenizer(tokenizer_dir: str) -> Any:
 @pytest.fixture
 def fake(tokenizer_dir: str) -> FakeEngineClient:
     return FakeEngineClient(model_dir=tokenizer_dir)
-
-
-def make_app(fake: FakeEngineClient, tokenizer: Any, **settings: Any) -> Any:
-    return create_app(fake, ServerSettings(**settings), tokenizer=tokenizer)
 
 
 @pytest.fixture
@@ -81,23 +57,11 @@ async def keyed_api(fake: FakeEngineClient, tokenizer: Any) -> AsyncIterator[htt
         yield client
 
 
-def sse_events(text: str) -> list[Any]:
-    """The ``data:`` payloads of an SSE body, JSON-decoded (``[DONE]`` stays a string)."""
-    events: list[Any] = []
-    for block in text.split("\n\n"):
-        if not block.strip():
-            continue
-        assert block.startswith("data: "), block
-        data = block.removeprefix("data: ")
-        events.append(data if data == "[DONE]" else json.loads(data))
-    return events
-
-
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[Any]:
-    """A PostgreSQL server for the whole session (tests/platform/pg.py); skips where there is
+    """A PostgreSQL server for the whole session (tests/utils/pg.py); skips where there is
     none, saying what is missing."""
-    from tests.platform.pg import PostgresServer, unavailable
+    from tests.utils.pg import PostgresServer, unavailable
 
     reason = unavailable()
     if reason is not None:
@@ -141,9 +105,9 @@ def empty_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterat
 async def tenancy(
     tmp_path: Path, fake: FakeEngineClient, tokenizer: Any, database_url: str | None
 ) -> AsyncIterator[Any]:
-    """A multi-tenant app on the fake engine (see tests/platform/tenancy_env.py), once on SQLite
+    """A multi-tenant app on the fake engine (see tests/utils/tenancy.py), once on SQLite
     and once on PostgreSQL."""
-    from tests.platform.tenancy_env import tenancy_env
+    from tests.utils.tenancy import tenancy_env
 
     async with tenancy_env(tmp_path, fake, tokenizer, database_url=database_url) as env:
         yield env

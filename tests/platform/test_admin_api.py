@@ -13,7 +13,7 @@ from sqlalchemy import insert
 
 from loraplex.platform import engine_state
 from loraplex.platform.db.models import Tenant, utcnow
-from tests.platform.tenancy_env import bearer
+from tests.utils.tenancy import bearer
 
 pytestmark = pytest.mark.anyio
 

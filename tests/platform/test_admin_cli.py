@@ -17,7 +17,7 @@ from loraplex.platform.db import migrate
 from loraplex.platform.db.database import Database
 from loraplex.platform.db.models import ApiKey, AuditEvent, PlatformSetting, Tenant
 from loraplex.platform.keys import hash_secret, parse_key
-from tests.platform.tenancy_env import TenancyEnv, bearer
+from tests.utils.tenancy import TenancyEnv, bearer
 
 REPO = Path(__file__).resolve().parents[2]
 

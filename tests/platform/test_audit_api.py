@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from loraplex.platform.db.models import utcnow
-from tests.platform.tenancy_env import bearer
+from tests.utils.tenancy import bearer
 
 pytestmark = pytest.mark.anyio
 

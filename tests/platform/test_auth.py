@@ -12,7 +12,7 @@ from loraplex.platform.auth import SCOPE_INFERENCE, Caller, OperatorKeyAuthentic
 from loraplex.platform.errors import rate_limited
 from loraplex.platform.settings import ServerSettings
 from loraplex.server import create_app
-from tests.platform.fakes import FakeEngineClient
+from tests.utils.fakes import FakeEngineClient
 
 pytestmark = pytest.mark.anyio
 

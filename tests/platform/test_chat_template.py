@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.platform.conftest import make_app
-from tests.platform.fakes import FakeEngineClient
+from tests.utils.app import make_app
+from tests.utils.fakes import FakeEngineClient
 
 pytestmark = pytest.mark.anyio
 

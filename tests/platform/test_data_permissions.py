@@ -14,8 +14,8 @@ from sqlalchemy import text
 from loraplex.platform.db.database import Database, sqlite_url
 from loraplex.platform.settings import TenancySettings
 from loraplex.platform.store import Store
-from tests.platform import registry_fixtures as rf
-from tests.platform.registry_fixtures import CONFIG, WEIGHTS, registry_env, upload
+from tests.utils import registry as rf
+from tests.utils.registry import CONFIG, WEIGHTS, registry_env, upload
 
 pytestmark = pytest.mark.anyio
 

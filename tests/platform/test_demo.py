@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from loraplex.platform.demo import ADAPTERS_DIR, DEMO_ADAPTERS, demo_message, setup_demo
-from tests.platform.registry_fixtures import RegistryEngine
-from tests.platform.tenancy_env import bearer, tenancy_env
+from tests.utils.registry import RegistryEngine
+from tests.utils.tenancy import bearer, tenancy_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 

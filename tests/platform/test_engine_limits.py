@@ -13,9 +13,9 @@ import pytest
 from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.inproc_client import InprocEngineClient
-from tests.platform import registry_fixtures as rf
-from tests.platform.registry_fixtures import upload
-from tests.platform.tenancy_env import tenancy_env
+from tests.utils import registry as rf
+from tests.utils.registry import upload
+from tests.utils.tenancy import tenancy_env
 
 pytestmark = pytest.mark.anyio
 

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.platform import test_malformed, test_openai_errors
+from tests.utils import errors, malformed
 
 pytestmark = pytest.mark.anyio
 
@@ -19,8 +19,8 @@ COMPLETION: dict[str, Any] = {"model": BASE, "prompt": "t30"}
 
 # Every bad body the other error tests send, and a few more of params.py's and serving.py's.
 BODIES: list[tuple[str, dict[str, Any]]] = [
-    *((path, body) for path, body, _, _ in test_openai_errors.BAD_BODIES),
-    *((path, body) for path, body, _, _ in test_malformed.BAD_BODIES),
+    *((path, body) for path, body, _, _ in errors.BAD_BODIES),
+    *((path, body) for path, body, _, _ in malformed.BAD_BODIES),
     ("/v1/chat/completions", {**CHAT, "n": 17}),
     ("/v1/chat/completions", {**CHAT, "stop": ["x"] * 17}),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}),

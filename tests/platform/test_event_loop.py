@@ -14,9 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.platform.conftest import make_app
-from tests.platform.fakes import FakeEngineClient
-from tests.platform.server import ServerThread
+from tests.utils.app import make_app
+from tests.utils.fakes import FakeEngineClient
+from tests.utils.server import ServerThread
 
 # Generous: the old code answered /version after seconds (the whole tokenization); the new one
 # takes milliseconds. Two shared CPU cores may add some hundreds of milliseconds.

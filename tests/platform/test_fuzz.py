@@ -20,8 +20,8 @@ from schemathesis.specs.openapi.checks import (
 
 from loraplex.engine.client import RequestDelta
 from loraplex.platform.errors import ErrorResponse
-from tests.platform.conftest import make_app
-from tests.platform.fakes import FakeEngineClient
+from tests.utils.app import make_app
+from tests.utils.fakes import FakeEngineClient
 
 BASE = "tiny-chat"
 

@@ -12,10 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.platform import registry_fixtures as rf
-from tests.platform.registry_fixtures import bearer, registry_env, upload
-from tests.platform.server import ServerThread
-from tests.webui.env import csrf_of, sign_in
+from tests.utils import registry as rf
+from tests.utils.registry import bearer, registry_env, upload
+from tests.utils.server import ServerThread
+from tests.utils.web import csrf_of, sign_in
 
 pytestmark = pytest.mark.anyio
 

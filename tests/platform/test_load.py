@@ -29,10 +29,9 @@ from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
 from loraplex.engine.proc_client import ProcEngineClient
 from loraplex.platform.settings import load_settings
 from loraplex.server import create_app
-from tests.conftest import make_tiny_model
-from tests.lora.test_lora_equivalence import make_adapter
-from tests.platform.conftest import add_chat_template
-from tests.platform.server import ServerThread
+from tests.utils.app import add_chat_template
+from tests.utils.models import make_adapter, make_tiny_model
+from tests.utils.server import ServerThread
 
 NUM_CLIENTS = 64
 NUM_LEAVING = NUM_CLIENTS // 4

@@ -14,8 +14,8 @@ from pydantic import ValidationError
 
 from loraplex.platform.settings import load_settings
 from loraplex.server.serve import add_serve_arguments
-from tests.platform.conftest import make_app
-from tests.platform.fakes import FakeEngineClient
+from tests.utils.app import make_app
+from tests.utils.fakes import FakeEngineClient
 
 pytestmark = pytest.mark.anyio
 

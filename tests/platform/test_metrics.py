@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from loraplex.platform.auth import SCOPE_INFERENCE, Caller
 from loraplex.platform.settings import ServerSettings
 from loraplex.server import create_app
-from tests.platform.conftest import API_KEY, add_chat_template, sse_events
-from tests.platform.fakes import FakeEngineClient
-from tests.platform.test_disconnect import _drive_until_disconnect
+from tests.utils.app import API_KEY, add_chat_template, sse_events
+from tests.utils.asgi import drive_until_disconnect
+from tests.utils.fakes import FakeEngineClient
 
 pytestmark = pytest.mark.anyio
 
@@ -172,7 +172,7 @@ async def test_a_client_that_leaves_is_counted_as_499(
     fake.step_delay = 0.02
     app = app_for(fake, tokenizer)
     body = {"model": BASE, "prompt": "t30", "stream": True}
-    await _drive_until_disconnect(
+    await drive_until_disconnect(
         app, "/v1/completions", body, lambda sent: sum(1 for s in sent if s.get("body")) >= 3
     )
     async with http(app) as client:
@@ -386,7 +386,7 @@ def test_an_empty_metrics_token_is_refused() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tests.conftest import make_tiny_model
+    from tests.utils.models import make_tiny_model
 
     path = make_tiny_model(tmp_path_factory.mktemp("engine") / "tiny-llama-chat", "llama", seed=3)
     add_chat_template(path)

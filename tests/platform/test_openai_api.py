@@ -8,8 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.platform.conftest import sse_events
-from tests.platform.fakes import FakeEngineClient
+from tests.utils.app import sse_events
+from tests.utils.fakes import FakeEngineClient
 
 pytestmark = pytest.mark.anyio
 

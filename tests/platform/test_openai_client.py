@@ -14,10 +14,10 @@ import pytest
 
 from loraplex.platform.settings import ServerSettings
 from loraplex.server import create_app
-from tests.conftest import make_tiny_model
-from tests.platform.conftest import API_KEY, add_chat_template, make_app
-from tests.platform.fakes import FakeEngineClient
-from tests.platform.server import ServerThread
+from tests.utils.app import API_KEY, add_chat_template, make_app
+from tests.utils.fakes import FakeEngineClient
+from tests.utils.models import make_tiny_model
+from tests.utils.server import ServerThread
 
 MESSAGES: list[Any] = [{"role": "user", "content": "t30 t31"}]
 
@@ -170,7 +170,7 @@ def test_real_engine_adapter_errors(engine_server: ServerThread, tmp_path: Path)
 def test_real_engine_serves_an_adapter_by_model_name(
     engine_server: ServerThread, tmp_path: Path
 ) -> None:
-    from tests.lora.test_adapter import make_peft
+    from tests.utils.adapters import make_peft
 
     make_peft(tmp_path / "sql-adapter", r=8, target_modules=["q_proj", "v_proj"])
     url = engine_server.url

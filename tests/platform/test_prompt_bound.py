@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loraplex.platform.openai.prompts import NFC_CHARS_PER_BYTE, TokenBound, token_bound
-from tests.platform.conftest import make_app
-from tests.platform.fakes import FakeEngineClient
+from tests.utils.app import make_app
+from tests.utils.fakes import FakeEngineClient
 
 LONGEST = "\n" + " " * 80  # SmolLM2's longest token: "ĊĠĠ...Ġ", 81 bytes
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<issue_comment>", "<jupyter_output>"]

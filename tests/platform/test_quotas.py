@@ -16,8 +16,8 @@ from loraplex.platform.auth import Caller
 from loraplex.platform.errors import APIError
 from loraplex.platform.quotas import Limits, QuotaManager, estimate_tokens, format_duration
 from loraplex.platform.tenants import Quotas
-from tests.platform.request_hooks import wire
-from tests.platform.tenancy_env import bearer
+from tests.utils.request_hooks import wire
+from tests.utils.tenancy import bearer
 
 pytestmark = pytest.mark.anyio
 

@@ -13,8 +13,8 @@ import pytest
 
 from loraplex.platform.db.models import AdapterVersion
 from loraplex.platform.registry import service
-from tests.platform import registry_fixtures as rf
-from tests.platform.registry_fixtures import bearer, disk_state, registry_env, upload
+from tests.utils import registry as rf
+from tests.utils.registry import bearer, disk_state, registry_env, upload
 
 pytestmark = pytest.mark.anyio
 

@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.platform import registry_fixtures as rf
-from tests.platform.registry_fixtures import bearer, registry_env, upload
-from tests.platform.tenancy_env import TenancyEnv
+from tests.utils import registry as rf
+from tests.utils.registry import bearer, registry_env, upload
+from tests.utils.tenancy import TenancyEnv
 
 pytestmark = pytest.mark.anyio
 

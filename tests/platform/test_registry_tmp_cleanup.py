@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.platform import registry_fixtures as rf
-from tests.platform.registry_fixtures import WEIGHTS, disk_state, registry_env, upload
+from tests.utils import registry as rf
+from tests.utils.registry import WEIGHTS, disk_state, registry_env, upload
 
 pytestmark = pytest.mark.anyio
 

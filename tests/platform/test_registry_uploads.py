@@ -14,8 +14,8 @@ from sqlalchemy import select
 from loraplex.platform import tenants
 from loraplex.platform.auth import SCOPE_INFERENCE
 from loraplex.platform.db.models import AdapterVersion, AuditEvent, UsageRecord
-from tests.platform import registry_fixtures as rf
-from tests.platform.registry_fixtures import (
+from tests.utils import registry as rf
+from tests.utils.registry import (
     CONFIG,
     WEIGHTS,
     bearer,
@@ -27,7 +27,7 @@ from tests.platform.registry_fixtures import (
     row_counts,
     upload,
 )
-from tests.platform.tenancy_env import ADMIN_TOKEN, TenancyEnv
+from tests.utils.tenancy import ADMIN_TOKEN, TenancyEnv
 
 pytestmark = pytest.mark.anyio
 

@@ -26,8 +26,8 @@ from fastapi import APIRouter, Depends, FastAPI
 from loraplex.platform import access
 from loraplex.platform.settings import ServerSettings
 from loraplex.server import create_app
-from tests.platform.fakes import FakeEngineClient
-from tests.platform.tenancy_env import TenancyEnv, bearer, tenancy_env
+from tests.utils.fakes import FakeEngineClient
+from tests.utils.tenancy import TenancyEnv, bearer, tenancy_env
 
 pytestmark = pytest.mark.anyio
 

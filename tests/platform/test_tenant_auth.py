@@ -15,8 +15,8 @@ from loraplex.platform.access import require_scope
 from loraplex.platform.auth import SCOPE_ADAPTERS_WRITE, SCOPE_INFERENCE, Caller
 from loraplex.platform.db.models import ApiKey, PlatformSetting, utcnow
 from loraplex.platform.keys import PREFIX, parse_key
-from tests.platform.fakes import FakeEngineClient
-from tests.platform.tenancy_env import TenancyEnv, bearer, tenancy_env
+from tests.utils.fakes import FakeEngineClient
+from tests.utils.tenancy import TenancyEnv, bearer, tenancy_env
 
 pytestmark = pytest.mark.anyio
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from loraplex.platform.openai.unsupported import IGNORED, UNSUPPORTED
-from tests.platform.fakes import FakeEngineClient
+from tests.utils.fakes import FakeEngineClient
 
 pytestmark = pytest.mark.anyio
 

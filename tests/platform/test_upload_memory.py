@@ -19,12 +19,12 @@ import pydantic
 import pytest
 
 from loraplex.platform.settings import TenancySettings
-from tests.conftest import make_tiny_model
-from tests.platform import registry_fixtures as rf
-from tests.platform.conftest import add_chat_template
-from tests.platform.registry_fixtures import CONFIG, WEIGHTS, bearer, registry_env, upload
-from tests.platform.tenancy_env import TenancyEnv
-from tests.webui.env import csrf_of, sign_in
+from tests.utils import registry as rf
+from tests.utils.app import add_chat_template
+from tests.utils.models import make_tiny_model
+from tests.utils.registry import CONFIG, WEIGHTS, bearer, registry_env, upload
+from tests.utils.tenancy import TenancyEnv
+from tests.utils.web import csrf_of, sign_in
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "upload_memory.py"

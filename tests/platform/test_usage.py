@@ -23,9 +23,9 @@ from loraplex.platform.db.models import (
 from loraplex.platform.db.scope import TenantScope
 from loraplex.platform.request_log import RequestRecord
 from loraplex.platform.usage import DateRange, UsageRecorder, apply_retention
-from tests.platform.request_hooks import count_engine_tokens, wire
-from tests.platform.tenancy_env import ADMIN_TOKEN, bearer
-from tests.platform.test_disconnect import _drive_until_disconnect
+from tests.utils.asgi import drive_until_disconnect
+from tests.utils.request_hooks import count_engine_tokens, wire
+from tests.utils.tenancy import ADMIN_TOKEN, bearer
 
 pytestmark = pytest.mark.anyio
 
@@ -36,7 +36,7 @@ async def _leave_early(app: Any, path: str, token: str, body: dict[str, Any], le
     """One request through ``app`` whose client disconnects once ``leave(sent)``; returns the
     number of response body chunks it got."""
     auth = ((b"authorization", f"Bearer {token}".encode()),)
-    sent = await _drive_until_disconnect(app, path, body, leave, auth)
+    sent = await drive_until_disconnect(app, path, body, leave, auth)
     return sum(1 for m in sent if m.get("body"))
 
 

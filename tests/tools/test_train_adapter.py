@@ -1,6 +1,6 @@
 """A really trained adapter (loraplex.tools.train_adapter, short run) on the embedded SmolLM2: loraplex's
 greedy text with it equals PEFT's ``generate(do_sample=False)`` text, and it differs from the base
-model's. Where the texts differ, the float-noise rule of tests/reference.py decides.
+model's. Where the texts differ, the float-noise rule of tests/utils/reference.py decides.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from loraplex.tools.train_adapter import (
     make_questions,
     train_adapter,
 )
-from tests.reference import TOP, assert_close, greedy_reference, traces
+from tests.utils.reference import TOP, assert_close, greedy_reference, traces
 
 MAX_TOKENS = 16
 SEED = 0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.webui.env import WebEnv
+from tests.utils.web import WebEnv
 
 
 @pytest.fixture

@@ -14,10 +14,9 @@ from sqlalchemy import select
 
 from loraplex.platform.db.models import AdapterVersion, AuditEvent
 from loraplex.webui import adapters as adapters_page
-from tests.platform import registry_fixtures as rf
-from tests.platform.registry_fixtures import CONFIG, WEIGHTS, make_zip, row_counts
-from tests.webui.env import WebEnv, csrf_of, sign_in
-from tests.webui.registry_web import (
+from tests.utils import registry as rf
+from tests.utils.registry import CONFIG, WEIGHTS, make_zip, row_counts
+from tests.utils.registry_web import (
     build_web,
     create_tenant,
     field_errors,
@@ -26,6 +25,7 @@ from tests.webui.registry_web import (
     upload_through_form,
     web_tokenizer,
 )
+from tests.utils.web import WebEnv, csrf_of, sign_in
 
 pytestmark = pytest.mark.anyio
 __all__ = ["registry_models", "web_tokenizer"]  # fixtures, bound here for pytest

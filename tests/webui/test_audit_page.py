@@ -10,7 +10,7 @@ from sqlalchemy import insert
 
 from loraplex.platform.db.models import AuditEvent
 from loraplex.webui.audit import Change, changes
-from tests.webui.env import WebEnv, post_form, sign_in
+from tests.utils.web import WebEnv, post_form, sign_in
 
 pytestmark = pytest.mark.anyio
 

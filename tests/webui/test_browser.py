@@ -9,48 +9,27 @@ that nothing overflows horizontally.
 
 from __future__ import annotations
 
-import os
 import random
 import re
-import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from loraplex.webui.live import LiveRecorder
-from tests.platform.server import ServerThread
-from tests.webui.env import ADMIN_TOKEN, WebEnv
+from tests.utils import browser as base
+from tests.utils.server import ServerThread
+from tests.utils.web import ADMIN_TOKEN, WebEnv
 
-CHROMIUM = os.environ.get("LORAPLEX_CHROMIUM") or shutil.which("chromium") or ""
-DESKTOP = {"width": 1280, "height": 800}
-PHONE = {"width": 390, "height": 844}
-SCREENSHOTS = Path(
-    os.environ.get("LORAPLEX_SCREENSHOTS") or Path(__file__).parents[2] / "screenshots" / "webui"
-)
+pytestmark = base.needs_chromium
+expect = base.expect
+DESKTOP, PHONE = base.DESKTOP, base.PHONE
 
-sync_api = pytest.importorskip(
-    "playwright.sync_api", reason="the browser tests need Playwright: pip install playwright"
-)
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM,
-    reason="the browser tests need Chromium: apt-get install chromium (or set LORAPLEX_CHROMIUM)",
-)
-expect = sync_api.expect
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"]
-        )
-        try:
-            yield browser
-        finally:
-            browser.close()
+# The browser and the screenshot helper every browser test shares.
+browser = base.browser
+shot = base.shot
 
 
 def backfill(env: WebEnv, minutes: int = 60) -> None:
@@ -85,31 +64,8 @@ def served(tmp_path: Path) -> Iterator[tuple[WebEnv, str]]:
         env.close()
 
 
-Shot = Callable[[Any, str], None]
-
-
-@pytest.fixture
-def shot() -> Shot:
-    """``shot(page, name)``: full-page screenshots at desktop and phone width, each checked for
-    horizontal overflow; the viewport is left at desktop size."""
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-
-    def take(page: Any, name: str) -> None:
-        for label, size in (("desktop", DESKTOP), ("phone", PHONE)):
-            page.set_viewport_size(size)
-            page.wait_for_timeout(50)  # one layout pass after the resize
-            overflow = page.evaluate(
-                "document.documentElement.scrollWidth - document.documentElement.clientWidth"
-            )
-            assert overflow <= 0, f"{name} overflows by {overflow}px at {label} width"
-            page.screenshot(path=str(SCREENSHOTS / f"{name}-{label}.png"), full_page=True)
-        page.set_viewport_size(DESKTOP)
-
-    return take
-
-
 def test_sign_in_watch_the_engine_sign_out(
-    browser: Any, served: tuple[WebEnv, str], shot: Shot
+    browser: Any, served: tuple[WebEnv, str], shot: base.Shot
 ) -> None:
     env, url = served
     page = browser.new_page(viewport=DESKTOP)

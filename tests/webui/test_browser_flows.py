@@ -21,16 +21,16 @@ from sqlalchemy import insert
 from loraplex.platform import tenants as service
 from loraplex.platform.db.models import Adapter, AdapterVersion, Tenant, UsageRecord, utcnow
 from loraplex.platform.db.scope import TenantScope
-from tests.platform.server import ServerThread
-from tests.platform.tenancy_env import bearer
-from tests.webui import test_browser as base
-from tests.webui.env import ADMIN_TOKEN, WebEnv
+from tests.utils import browser as base
+from tests.utils.server import ServerThread
+from tests.utils.tenancy import bearer
+from tests.utils.web import ADMIN_TOKEN, WebEnv
 
-pytestmark = base.pytestmark
+pytestmark = base.needs_chromium
 expect = base.expect
 DESKTOP = base.DESKTOP
 
-# The browser and the screenshot helper of the foundation's browser test.
+# The browser and the screenshot helper every browser test shares.
 browser = base.browser
 shot = base.shot
 

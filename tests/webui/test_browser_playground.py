@@ -19,18 +19,18 @@ import pytest
 from sqlalchemy import select
 
 from loraplex.platform.db.models import Tenant, UsageRecord, utcnow
-from tests.platform import registry_fixtures as rf
-from tests.platform.registry_fixtures import CONFIG, WEIGHTS
-from tests.platform.server import ServerThread
-from tests.webui import test_browser as base
-from tests.webui.env import ADMIN_TOKEN, WebEnv
-from tests.webui.registry_web import build_web, create_tenant, registry_models, web_tokenizer
+from tests.utils import browser as base
+from tests.utils import registry as rf
+from tests.utils.registry import CONFIG, WEIGHTS
+from tests.utils.registry_web import build_web, create_tenant, registry_models, web_tokenizer
+from tests.utils.server import ServerThread
+from tests.utils.web import ADMIN_TOKEN, WebEnv
 
-pytestmark = base.pytestmark
+pytestmark = base.needs_chromium
 expect = base.expect
 DESKTOP, PHONE = base.DESKTOP, base.PHONE
 
-# The browser and the screenshot helper of the foundation's browser test; the tiny model.
+# The browser and the screenshot helper every browser test shares; the tiny model.
 browser = base.browser
 shot = base.shot
 __all__ = ["browser", "registry_models", "shot", "web_tokenizer"]

@@ -10,7 +10,7 @@ import pytest
 
 from loraplex.webui.context import STATIC_DIR
 from loraplex.webui.sessions import LoginThrottle
-from tests.webui.env import ADMIN_TOKEN, WebEnv, sign_in
+from tests.utils.web import ADMIN_TOKEN, WebEnv, sign_in
 
 pytestmark = pytest.mark.anyio
 

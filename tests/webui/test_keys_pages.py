@@ -16,8 +16,8 @@ from loraplex.platform.keys import display_key, parse_key
 from loraplex.webui.sessions import OneTimeSecrets
 from loraplex.webui.sessions import Session as WebSession
 from loraplex.webui.views import WEB_ACTOR
-from tests.platform.tenancy_env import bearer
-from tests.webui.env import WebEnv, post_form, sign_in
+from tests.utils.tenancy import bearer
+from tests.utils.web import WebEnv, post_form, sign_in
 
 pytestmark = pytest.mark.anyio
 

@@ -16,7 +16,7 @@ from loraplex.webui.live import (
     LiveRecorder,
     format_seconds,
 )
-from tests.platform.fakes import FakeEngineClient
+from tests.utils.fakes import FakeEngineClient
 
 pytestmark = pytest.mark.anyio
 
@@ -144,7 +144,7 @@ def test_the_charts_recorder_sees_every_request(tmp_path: Path) -> None:
     from loraplex.platform.request_log import RequestLogMiddleware
     from loraplex.platform.settings import ServerSettings
     from loraplex.server import create_app
-    from tests.platform.tenancy_env import platform_for
+    from tests.utils.tenancy import platform_for
 
     store = platform_for(tmp_path)
     try:

@@ -19,7 +19,7 @@ from loraplex.platform import admin_token
 from loraplex.webui import PAGES, login
 from loraplex.webui.context import SESSION_COOKIE
 from loraplex.webui.sessions import LoginThrottle, SessionStore
-from tests.webui.env import ADMIN_TOKEN, WebEnv, csrf_of, sign_in
+from tests.utils.web import ADMIN_TOKEN, WebEnv, csrf_of, sign_in
 
 pytestmark = pytest.mark.anyio
 

@@ -16,8 +16,8 @@ from sqlalchemy import event, insert, select, text
 from loraplex.platform import tenants as service
 from loraplex.platform.db.models import ApiKey, AuditEvent, Tenant, utcnow
 from loraplex.webui.views import QUOTA_LABELS, WEB_ACTOR
-from tests.platform.tenancy_env import bearer
-from tests.webui.env import WebEnv, post_form, sign_in
+from tests.utils.tenancy import bearer
+from tests.utils.web import WebEnv, post_form, sign_in
 
 pytestmark = pytest.mark.anyio
 

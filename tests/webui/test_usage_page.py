@@ -17,8 +17,8 @@ from loraplex.platform import tenants
 from loraplex.platform import usage as usage_reports
 from loraplex.platform.db.models import Tenant, UsageDaily, UsageRecord, utcnow
 from loraplex.webui import usage as usage_page
-from tests.webui.env import WebEnv, sign_in
-from tests.webui.registry_web import field_errors, mount_pages, table_rows
+from tests.utils.registry_web import field_errors, mount_pages, table_rows
+from tests.utils.web import WebEnv, sign_in
 
 pytestmark = pytest.mark.anyio
 

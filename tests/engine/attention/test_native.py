@@ -14,7 +14,7 @@ from loraplex.engine.attention.base import BatchLayout
 from loraplex.engine.attention.native import NativeAttentionMetadata, NativePagedAttention
 from loraplex.engine.attention.torch_backend import TorchAttentionMetadata, TorchPagedAttention
 from loraplex.kernels import native
-from tests.kernels.native_spy import LibSpy, install_spy
+from tests.utils.native_spy import LibSpy, install_spy
 
 # On CI the compiler is part of the image: a missing library fails test_native_backend_is_chosen.
 if native.library() is None and not os.environ.get("CI"):

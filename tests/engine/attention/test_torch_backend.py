@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from loraplex.engine.attention.torch_backend import TorchAttentionMetadata, TorchPagedAttention
-from tests.engine.model_fixtures import layout_for
+from tests.utils.model_fixtures import layout_for
 
 BLOCK = 4
 NUM_BLOCKS = 40

@@ -5,74 +5,15 @@ official openai client; SIGTERM shuts it down cleanly (exit 0); with the platfor
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import make_tiny_model
-from tests.platform.conftest import add_chat_template
+from tests.utils.serve import Serve
 
 ADMIN = "lpx-admin-serve-test-0123456789"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Serve:
-    """``loraplex serve`` in a subprocess; ``start()`` waits for /health."""
-
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
-        self.port = _free_port()
-        self.args = args
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc: subprocess.Popen[str] | None = None
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> Serve:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "loraplex.cli", "serve", *self.args, "--port", str(self.port)],
-            env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(self.proc.stdout.read() if self.proc.stdout else "server exited")
-            try:
-                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        pytest.fail("server did not become healthy in 120 s")
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("serve") / "tiny", "llama", seed=3)
-    add_chat_template(model_dir)
-    return model_dir
 
 
 @pytest.mark.slow
@@ -140,7 +81,7 @@ async def _async_completions(base: str) -> bool:
 def test_platform_state_survives_sigkill(tiny_model: str, tmp_path: Path) -> None:
     """Tenants, keys and adapters made over HTTP are all there after the server is SIGKILLed
     and started again: the same key works and the same adapter name gives the same text."""
-    from tests.lora.test_lora_equivalence import make_adapter
+    from tests.utils.models import make_adapter
 
     adapter = make_adapter(tiny_model, tmp_path / "adapter", 4, 8, ["q_proj", "v_proj"], seed=5)
     args = [tiny_model, "--served-model-name", "tiny", "--max-model-len", "128",

@@ -1,5 +1,5 @@
 """The admin UI over an engine that validates adapters as the real one does (the registry's test
-engine, ``tests/platform/registry_fixtures.py``), with the tiny model's tokenizer, so uploads,
+engine, ``tests/utils/registry.py``), with the tiny model's tokenizer, so uploads,
 residency and the playground run for real; shared by the adapters, usage and playground tests.
 
 ``build_web(tmp_path, models, tokenizer)`` returns a ``WebEnv`` (its ``fake`` is the
@@ -26,10 +26,10 @@ from loraplex.webui import adapters as adapters_page
 from loraplex.webui import playground as playground_page
 from loraplex.webui import usage as usage_page
 from loraplex.webui.context import WebUI
-from tests.platform import registry_fixtures as rf
-from tests.platform.registry_fixtures import MAX_ADAPTER_BYTES, RegistryEngine, RegistryModels
-from tests.platform.tenancy_env import platform_for
-from tests.webui.env import WebEnv, csrf_of
+from tests.utils import registry as rf
+from tests.utils.registry import MAX_ADAPTER_BYTES, RegistryEngine, RegistryModels
+from tests.utils.tenancy import platform_for
+from tests.utils.web import WebEnv, csrf_of
 
 MY_PAGES = (adapters_page, usage_page, playground_page)
 

@@ -29,7 +29,7 @@ from loraplex.platform.db.database import sqlite_url
 from loraplex.platform.settings import ServerSettings, TenancySettings
 from loraplex.platform.store import Store
 from loraplex.server import LoraplexApp, create_app
-from tests.platform.fakes import FakeEngineClient
+from tests.utils.fakes import FakeEngineClient
 
 ADMIN_TOKEN = "lpx-admin-test-token-0123456789abcdef"
 

@@ -2,7 +2,7 @@
 from it once per session, a fake engine that validates and hashes adapters exactly as the real
 one does, and helpers to upload and to check that nothing was left behind.
 
-The fake engine of ``tests/platform/fakes.py`` keys adapters by the hash of their config file
+The fake engine of ``tests/utils/fakes.py`` keys adapters by the hash of their config file
 and its model directory has no ``config.json``; ``RegistryEngine`` instead runs
 ``load_adapter`` against the tiny model (so its keys are the real content hashes) and enforces
 ``max_lora_rank`` as the engine does.
@@ -29,10 +29,10 @@ from sqlalchemy import func, select
 
 from loraplex.engine.client import AdapterInfo, EngineDeadError
 from loraplex.platform.db.models import Adapter, AdapterVersion
-from tests.conftest import make_tiny_model
-from tests.platform.conftest import add_chat_template
-from tests.platform.fakes import FakeEngineClient
-from tests.platform.tenancy_env import TenancyEnv, tenancy_env
+from tests.utils.app import add_chat_template
+from tests.utils.fakes import FakeEngineClient
+from tests.utils.models import make_tiny_model
+from tests.utils.tenancy import TenancyEnv, tenancy_env
 
 MAX_LORA_RANK = 8
 MAX_ADAPTER_BYTES = 96 * 1024  # the tiny adapters are 5-30 KB

@@ -6,11 +6,11 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.platform.test_serve import Serve, tiny_model  # noqa: F401  (the fixture)
+from tests.utils.serve import Serve
 
 
 @pytest.mark.slow
-def test_serve_flags_reach_the_server(tiny_model: str) -> None:  # noqa: F811
+def test_serve_flags_reach_the_server(tiny_model: str) -> None:
     server = Serve(
         [tiny_model, "--served-model-name", "tiny", "--no-platform", "--max-model-len", "128",
          "--default-max-tokens", "3"],

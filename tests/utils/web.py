@@ -18,8 +18,8 @@ from loraplex.platform.settings import ServerSettings
 from loraplex.platform.store import Store
 from loraplex.server import LoraplexApp, create_app
 from loraplex.webui import WebUI, WebUISettings
-from tests.platform.fakes import FakeEngineClient
-from tests.platform.tenancy_env import ADMIN_TOKEN, platform_for
+from tests.utils.fakes import FakeEngineClient
+from tests.utils.tenancy import ADMIN_TOKEN, platform_for
 
 __all__ = ["ADMIN_TOKEN", "WebEnv", "csrf_of", "post_form", "sign_in"]
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from loraplex.engine.client import RequestDelta
-from tests.platform.fakes import FakeEngineClient
+from tests.utils.fakes import FakeEngineClient
 
 
 def wire(env: Any) -> None:
