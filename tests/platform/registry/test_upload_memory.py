@@ -26,7 +26,7 @@ from tests.utils.registry import CONFIG, WEIGHTS, bearer, registry_env, upload
 from tests.utils.tenancy import TenancyEnv
 from tests.utils.web import csrf_of, sign_in
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "scripts" / "upload_memory.py"
 registry_models = rf.registry_models
 

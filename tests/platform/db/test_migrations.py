@@ -21,7 +21,7 @@ from loraplex.platform.db.database import Database, make_engine, sqlite_url
 from loraplex.platform.db.migrate import LOCK_KEY
 from loraplex.platform.db.models import ApiKey, Base, Tenant
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def schema_differences(url: str) -> list[object]:
