@@ -8,8 +8,12 @@ import json
 from typing import Any
 
 
-def http_scope(path: str, extra_headers: tuple[tuple[bytes, bytes], ...] = ()) -> dict[str, Any]:
-    """The ASGI scope of a JSON POST to ``path``."""
+def http_scope(
+    path: str,
+    extra_headers: tuple[tuple[bytes, bytes], ...] = (),
+    content_type: bytes = b"application/json",
+) -> dict[str, Any]:
+    """The ASGI scope of a POST to ``path`` (JSON unless ``content_type`` says otherwise)."""
     return {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.4"},
@@ -20,7 +24,7 @@ def http_scope(path: str, extra_headers: tuple[tuple[bytes, bytes], ...] = ()) -
         "raw_path": path.encode(),
         "query_string": b"",
         "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"host", b"test"), *extra_headers],
+        "headers": [(b"content-type", content_type), (b"host", b"test"), *extra_headers],
         "client": ("127.0.0.1", 5000),
         "server": ("test", 80),
     }
@@ -29,12 +33,15 @@ def http_scope(path: str, extra_headers: tuple[tuple[bytes, bytes], ...] = ()) -
 async def drive_until_disconnect(
     app: Any,
     path: str,
-    body: dict[str, Any],
+    body: dict[str, Any] | bytes,
     leave_when: Any,
     extra_headers: tuple[tuple[bytes, bytes], ...] = (),
+    content_type: bytes = b"application/json",
 ) -> list[dict[str, Any]]:
-    """Runs one request through ``app``; the client disconnects once ``leave_when()``."""
-    inbox = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+    """Runs one request through ``app`` (``body``: JSON, or the raw bytes of ``content_type``);
+    the client disconnects once ``leave_when(sent)``."""
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    inbox = [{"type": "http.request", "body": raw, "more_body": False}]
     gone = asyncio.Event()
     sent: list[dict[str, Any]] = []
 
@@ -49,7 +56,8 @@ async def drive_until_disconnect(
             raise OSError("the client is gone")
         sent.append(message)
 
-    task = asyncio.ensure_future(app(http_scope(path, extra_headers), receive, send))
+    scope = http_scope(path, extra_headers, content_type)
+    task = asyncio.ensure_future(app(scope, receive, send))
     for _ in range(2000):
         if leave_when(sent):
             break

@@ -14,6 +14,7 @@ from sqlalchemy import select
 
 from loraplex.platform.db.models import Tenant, UsageRecord
 from tests.utils import registry as rf
+from tests.utils.asgi import drive_until_disconnect
 from tests.utils.registry_web import (
     build_web,
     create_tenant,
@@ -272,7 +273,6 @@ async def test_a_browser_leaving_a_stream_aborts_the_run_and_is_accounted(
     """The playground streams through the API's SSE response: a browser that goes away stops
     the engine request at once, and the run is recorded as the API records a request (tokens
     produced so far, status 499)."""
-    import asyncio
     from urllib.parse import urlencode
 
     async with web.http() as http:
@@ -280,39 +280,14 @@ async def test_a_browser_leaving_a_stream_aborts_the_run_and_is_accounted(
         cookies = "; ".join(f"{k}={v}" for k, v in http.cookies.items())
     web.fake.step_delay = 0.02
     body = urlencode({**form(csrf, max_tokens="200"), "side": "base"}).encode()
-    scope = {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
-        "http_version": "1.1", "method": "POST", "scheme": "http",
-        "path": "/admin/playground/stream", "raw_path": b"/admin/playground/stream",
-        "query_string": b"", "root_path": "", "client": ("127.0.0.1", 5000),
-        "server": ("test", 80),
-        "headers": [
-            (b"content-type", b"application/x-www-form-urlencoded"), (b"host", b"test"),
-            (b"cookie", cookies.encode()), (b"content-length", str(len(body)).encode()),
-        ],
-    }  # fmt: skip
-    inbox = [{"type": "http.request", "body": body, "more_body": False}]
-    gone = asyncio.Event()
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        if inbox:
-            return inbox.pop()
-        await gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        if gone.is_set():
-            raise OSError("the browser is gone")
-        sent.append(message)
-
-    task = asyncio.ensure_future(web.app(scope, receive, send))
-    for _ in range(2000):
-        if sum(1 for m in sent if m.get("body")) >= 4:  # start + a few deltas
-            break
-        await asyncio.sleep(0.005)
-    gone.set()
-    await asyncio.wait_for(task, timeout=10)
+    sent = await drive_until_disconnect(
+        web.app,
+        "/admin/playground/stream",
+        body,
+        lambda sent: sum(1 for m in sent if m.get("body")) >= 4,  # start + a few deltas
+        extra_headers=((b"cookie", cookies.encode()),),
+        content_type=b"application/x-www-form-urlencoded",
+    )
     assert sent[0]["status"] == 200
     (run,) = web.fake.submitted
     assert web.fake.aborted == [run.request_id] and web.fake.finished == []
