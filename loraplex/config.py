@@ -7,12 +7,17 @@ engine and kept beside the config, not written into it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
-SchedulingPolicy = Literal["fcfs"]  # the order waiting requests are admitted in
+# The order waiting requests are admitted in (engine/waiting_queue.py): first come first served;
+# lower priority first; or fair shares between tenants (Virtual Token Counter), priority first.
+SchedulingPolicy = Literal["fcfs", "priority", "fair"]
 AttentionBackendName = Literal["auto", "torch", "native"]  # engine/attention/select.py
+# Request priorities (lower runs earlier, 0 the default): what an API caller may send.
+PRIORITY_RANGE = (-1000, 1000)
 
 
 @dataclass(frozen=True)
@@ -78,10 +83,27 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # requests in one step
     max_num_batched_tokens: int = 512  # tokens in one step (prefill chunks + decodes)
     scheduling_policy: SchedulingPolicy = "fcfs"  # engine/waiting_queue.py
+    # "fair": the service a tenant is charged per prompt token computed and per token generated
+    # (S-LoRA's VTC prices; a generated token costs more: one forward each, and it holds KV)
+    fair_prompt_weight: float = 1.0
+    fair_output_weight: float = 2.0
 
     def __post_init__(self) -> None:
-        if self.scheduling_policy not in ("fcfs",):
-            raise ValueError(f"scheduling_policy must be fcfs; got {self.scheduling_policy!r}")
+        policies = get_args(SchedulingPolicy)
+        if self.scheduling_policy not in policies:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(policies)}; "
+                f"got {self.scheduling_policy!r}"
+            )
+        for name in ("fair_prompt_weight", "fair_output_weight"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a number of 0 or more; got {value!r}")
+        if self.fair_prompt_weight == 0 and self.fair_output_weight == 0:
+            raise ValueError(
+                "fair_prompt_weight and fair_output_weight are both 0, so no service would be "
+                "counted; make at least one of them positive"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1; got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypedDict, get_args
 
-from loraplex.argtypes import env_bool, positive_float, positive_int
+from loraplex.argtypes import env_bool, non_negative_float, positive_float, positive_int
 from loraplex.config import (
     AttentionBackendName,
     CacheConfig,
@@ -84,6 +84,10 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("max_num_batched_tokens", "scheduler", "tokens in one step", positive_int),
     EngineArg("scheduling_policy", "scheduler", "the order waiting requests are admitted in",
               choices=get_args(SchedulingPolicy)),
+    EngineArg("fair_prompt_weight", "scheduler",
+              "fair policy: service charged per prompt token computed", non_negative_float),
+    EngineArg("fair_output_weight", "scheduler",
+              "fair policy: service charged per token generated", non_negative_float),
     EngineArg("max_loras", "lora", "adapters one step may use (device slots)", positive_int),
     EngineArg("max_cpu_loras", "lora", "adapters kept in host memory", positive_int),
     EngineArg("max_lora_rank", "lora", "the largest adapter rank accepted", positive_int),
@@ -107,6 +111,8 @@ class EngineKwargs(TypedDict, total=False):
     max_num_seqs: int
     max_num_batched_tokens: int
     scheduling_policy: SchedulingPolicy
+    fair_prompt_weight: float
+    fair_output_weight: float
     max_loras: int
     max_cpu_loras: int
     max_lora_rank: int

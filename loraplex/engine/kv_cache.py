@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from loraplex.engine.request import Request
@@ -146,21 +146,10 @@ class KVCacheManager:
         request takes over on admission; they count as computed tokens.
         """
         hits = new_computed_blocks or []
-        bs = self.block_size
         table = self._tables.get(req.request_id, [])
-        num_computed = req.num_computed_tokens + len(hits) * bs
-        num_total = num_computed + num_new_tokens
-        num_new_blocks = self.blocks_needed(num_total) - len(table) - len(hits)
-        # Hits on free (cached, unreferenced) blocks take them off the free queue.
-        num_revived = sum(1 for b in hits if self._blocks[b].ref_cnt == 0)
-        # Appending into a shared partial last block needs a private copy first.
-        cow = bool(
-            table
-            and num_new_tokens > 0
-            and num_computed % bs != 0
-            and self._blocks[table[-1]].ref_cnt > 1
-        )
-        if max(num_new_blocks, 0) + num_revived + int(cow) > len(self._free):
+        num_total = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        num_new_blocks, cow, num_taken = self._plan(req, num_new_tokens, hits)
+        if num_taken > len(self._free):
             return False
 
         if req.request_id not in self._tables:
@@ -185,6 +174,38 @@ class KVCacheManager:
             # Tokens scheduled now are computed before anyone can look them up again.
             self._register_full_blocks(req, num_total)
         return True
+
+    def _plan(self, req: Request, num_new_tokens: int, hits: list[int]) -> tuple[int, bool, int]:
+        """An allocation's new blocks, whether it copies a shared partial last block first, and
+        how many blocks it takes off the free queue in all."""
+        table = self._tables.get(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(hits) * self.block_size
+        num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - len(table) - len(hits)
+        # Hits on free (cached, unreferenced) blocks take them off the free queue.
+        num_revived = sum(1 for b in hits if self._blocks[b].ref_cnt == 0)
+        # Appending into a shared partial last block needs a private copy first.
+        cow = bool(
+            table
+            and num_new_tokens > 0
+            and num_computed % self.block_size != 0
+            and self._blocks[table[-1]].ref_cnt > 1
+        )
+        return num_new_blocks, cow, max(num_new_blocks, 0) + num_revived + int(cow)
+
+    def num_blocks_short(
+        self, req: Request, num_new_tokens: int, new_computed_blocks: list[int] | None = None
+    ) -> int:
+        """How many blocks the free queue lacks for ``allocate_slots`` with these arguments
+        (0: it fits)."""
+        _, _, num_taken = self._plan(req, num_new_tokens, new_computed_blocks or [])
+        return max(num_taken - len(self._free), 0)
+
+    def num_freed_by(self, request_ids: list[str], keep: list[int] | None = None) -> int:
+        """Blocks that would go back to the free queue if these requests freed theirs (blocks
+        in ``keep`` not counted: prefix hits the room is for, which it takes back at once)."""
+        refs = Counter(b for rid in request_ids for b in self._tables.get(rid, ()))
+        kept = set(keep or ())
+        return sum(1 for b, n in refs.items() if self._blocks[b].ref_cnt == n and b not in kept)
 
     def _register_full_blocks(self, req: Request, num_tokens: int) -> None:
         table = self._tables[req.request_id]

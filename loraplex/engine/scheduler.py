@@ -13,6 +13,17 @@ With multi-LoRA, a step uses at most ``max_loras`` adapters (device slots, ``LoR
 waiting adapter request may pass another that has no slot is the policy's rule (``FCFSQueue``:
 skipped, with a bound on how long a cold adapter waits).
 
+Priority preemption (policies "priority" and "fair"): when the request the policy would admit
+next finds no seat (``max_num_seqs``) or no KV room, running requests the policy names
+(``admission_victims``: of a strictly worse priority) are marked, enough of them to make the
+room, and preempted at the start of the next step, before anything is scheduled. Not at once:
+a request already scheduled this step has its blocks registered in the prefix cache for tokens
+computed in this step, which another request may already have hit.
+
+Each step's service (prompt tokens computed, tokens generated) is counted per tenant
+(``SchedulerStats.tenants``) and charged to the policy (``WaitingQueue.charge``), whose tenant
+weights ``set_tenant_weights`` replaces from the next step on.
+
 The n samples of one request share the prompt's KV: the first sample (the leader) prefills the
 prompt; in the step that finishes the prompt, the others are forked from it (block tables shared
 by reference) and sample their first token from the leader's last row.
@@ -21,9 +32,11 @@ by reference) and sample their first token from the leader's last row.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from loraplex.config import SchedulerConfig
+from loraplex.engine.admission import Service, check_tenant_weights
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.lora_slots import LoRASlots
 from loraplex.engine.records import (
@@ -38,11 +51,20 @@ from loraplex.engine.waiting_queue import WaitingQueue, make_waiting_queue
 
 
 @dataclass
+class TenantUsage:
+    """One tenant's service since the scheduler started."""
+
+    num_prompt_tokens_computed: int = 0
+    num_generated_tokens: int = 0
+
+
+@dataclass
 class SchedulerStats:
     num_steps: int = 0
     num_preemptions: int = 0
     num_prompt_tokens_computed: int = 0  # prefill tokens actually run through the model
     num_generated_tokens: int = 0
+    tenants: dict[str | None, TenantUsage] = field(default_factory=dict)  # None: no tenant
 
 
 class Scheduler:
@@ -60,11 +82,14 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
         if waiting_queue is None:  # not ``or``: an empty queue is falsy
-            waiting_queue = make_waiting_queue(config.scheduling_policy)
+            waiting_queue = make_waiting_queue(config.scheduling_policy, config)
         self.waiting = waiting_queue
         self.running: list[Request] = []
         self._pending_forks: dict[str, list[Request]] = {}  # leader id -> samples waiting on it
         self._finished_ids: list[str] = []
+        # (victim, the waiting request it makes room for): preempted when the next step starts
+        self._to_preempt: list[tuple[Request, Request]] = []
+        self.tenant_weights: dict[str, float] = {}
         self.stats = SchedulerStats()
 
     # ---- requests in and out ---------------------------------------------------------------
@@ -116,6 +141,17 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting) + sum(len(s) for s in self._pending_forks.values())
 
+    def waiting_requests(self) -> list[Request]:
+        """Every waiting request: queued, and samples waiting on their leader's prompt."""
+        return [*self.waiting, *(r for s in self._pending_forks.values() for r in s)]
+
+    def set_tenant_weights(self, weights: Mapping[str, float]) -> None:
+        """Tenant id -> share weight (finite, above 0; a tenant not named weighs 1.0), for the
+        service charged from the next step on. Replaces the previous weights."""
+        checked = check_tenant_weights(weights)
+        self.tenant_weights = checked
+        self.waiting.set_tenant_weights(dict(checked))
+
     def rollback(self, request_id: str, num_tokens: int) -> None:
         """Forget the request's tokens from position ``num_tokens`` on, and their KV: rejected
         draft tokens (speculative decoding), a grammar's rollback. The prompt always stays.
@@ -134,6 +170,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         scheduled: list[ScheduledRequest] = []
+        if self._to_preempt:
+            self._preempt_marked()
         budget, preempted = self._schedule_running(scheduled, self.config.max_num_batched_tokens)
         if not preempted and len(self.waiting):  # a step that had to preempt has no room
             budget = self._schedule_waiting(scheduled, budget)
@@ -182,11 +220,15 @@ class Scheduler:
     def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> int:
         """Admit waiting requests in the policy's order while the token budget, ``max_num_seqs``
         and the KV pool allow; returns the budget left. A request that does not fit keeps its
-        place and ends the pass."""
+        place and ends the pass (and may have victims marked for it: ``_mark_victims``)."""
         waiting = self.waiting
         waiting.begin_admission(self.slots.can_acquire)
         try:
-            while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while budget > 0:
+                if len(self.running) >= self.config.max_num_seqs:
+                    if waiting.priority_preemption and (req := waiting.peek()) is not None:
+                        self._mark_victims(req, [])
+                    break
                 req = waiting.peek()
                 if req is None:
                     break
@@ -194,6 +236,8 @@ class Scheduler:
                 num_hit = len(hits) * self.kv.block_size
                 num_new = min(req.num_tokens - num_hit, budget)
                 if not self.kv.allocate_slots(req, num_new, hits):
+                    if waiting.priority_preemption:
+                        self._mark_victims(req, hits, self.kv.num_blocks_short(req, num_new, hits))
                     break
                 waiting.pop()
                 self._admit(req, num_hit)
@@ -202,6 +246,38 @@ class Scheduler:
         finally:
             waiting.end_admission()
         return budget
+
+    def _mark_victims(self, req: Request, hits: list[int], blocks: int = 0) -> None:
+        """``req`` found no seat (``blocks`` 0) or lacks ``blocks`` KV blocks: mark the policy's
+        victims for it, the fewest (in the policy's order) that make the room, or none when
+        all of them together would not (prefix ``hits`` it would take are not counted)."""
+        chosen: list[str] = []
+        marked: list[tuple[Request, Request]] = []
+        for victim in self.waiting.admission_victims(self.running, req):
+            if victim.priority <= req.priority:
+                raise RuntimeError(
+                    f"the scheduling policy named running request {victim.request_id!r} "
+                    f"(priority {victim.priority}) to make room for {req.request_id!r} "
+                    f"(priority {req.priority}); a victim's priority must be strictly worse"
+                )
+            chosen.append(victim.request_id)
+            marked.append((victim, req))
+            if self.kv.num_freed_by(chosen, hits) >= blocks:
+                self._to_preempt = marked
+                return
+
+    def _preempt_marked(self) -> None:
+        """Preempt the victims marked last step, those still running for a request still
+        waiting."""
+        marked, self._to_preempt = self._to_preempt, []
+        for victim, req in marked:
+            if (
+                victim.status == RequestStatus.RUNNING
+                and req.status == RequestStatus.WAITING
+                and req.request_id in self.requests
+            ):
+                self.running.remove(victim)
+                self._preempt(victim)
 
     def _admit(self, req: Request, num_hit: int) -> None:
         """``req`` got its blocks (``num_hit`` tokens of them from the prefix cache): running."""
@@ -276,21 +352,41 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        served: list[Service] = []
         done: set[str] = set()
         for s in out.requests:
             req = self.requests[s.request_id]
             end = min(s.start_pos + len(s.token_ids), req.num_prompt_tokens)
-            self.stats.num_prompt_tokens_computed += max(end - s.start_pos, 0)
+            num_prompt = max(end - s.start_pos, 0)
             req.num_computed_tokens += len(s.token_ids)
+            num_generated = 0
             if s.sample:
-                outputs.append(self._append(req, result, done))
+                output = self._append(req, result, done)
+                outputs.append(output)
+                num_generated = len(output.new_token_ids)
+            served.append(Service(req, num_prompt, num_generated))
         for f in out.forks:
             req = self.requests[f.request_id]
             req.num_computed_tokens = req.num_prompt_tokens
-            outputs.append(self._append(req, result, done))
+            output = self._append(req, result, done)
+            outputs.append(output)
+            served.append(Service(req, 0, len(output.new_token_ids)))
         if done:
             self.running = [r for r in self.running if r.request_id not in done]
+        self._count(served)
+        self.waiting.charge(served, self.running)
         return outputs
+
+    def _count(self, served: list[Service]) -> None:
+        stats = self.stats
+        for s in served:
+            usage = stats.tenants.get(s.request.tenant)
+            if usage is None:
+                usage = stats.tenants[s.request.tenant] = TenantUsage()
+            usage.num_prompt_tokens_computed += s.prompt_tokens
+            usage.num_generated_tokens += s.output_tokens
+            stats.num_prompt_tokens_computed += s.prompt_tokens
+            stats.num_generated_tokens += s.output_tokens
 
     def _append(self, req: Request, result: RunnerOutput, done: set[str]) -> EngineCoreOutput:
         """Append the tokens sampled for ``req`` this step (one, or several: speculative
@@ -316,7 +412,6 @@ class Scheduler:
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 break
-        self.stats.num_generated_tokens += kept
         out = EngineCoreOutput(
             request_id=req.request_id,
             new_token_ids=tokens if kept == len(tokens) else tokens[:kept],

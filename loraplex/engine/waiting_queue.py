@@ -8,7 +8,13 @@ requests and the two choices a policy makes (after vLLM's ``RequestQueue``):
   admitted. A request whose admission fails (no KV room) is left unpopped and keeps its place.
   Requests the policy passes over during the pass (an adapter without a free LoRA slot) are set
   aside and put back in their places by ``end_admission``.
-* **the preemption victim**: which running request gives its blocks back when the pool runs dry.
+* **the preemption victims**: which running request gives its blocks back when the pool runs
+  dry, and which running requests may make room for a waiting one (priority preemption).
+* **service**: once per step the scheduler reports what each request received (``charge``), so
+  a policy can count it per tenant, weighted by ``set_tenant_weights``.
+
+Three policies (``make_waiting_queue``): ``FCFSQueue`` (here), ``PriorityQueue``
+(``priority_queue.py``) and ``FairQueue`` (``fair_queue.py``, Virtual Token Counter).
 
 Pure Python, no torch: a policy is tested alone with the fake runner in milliseconds.
 """
@@ -16,18 +22,32 @@ Pure Python, no torch: a policy is tested alone with the fake runner in millisec
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
-from loraplex.config import SchedulingPolicy
+from loraplex.config import SchedulerConfig, SchedulingPolicy
+from loraplex.engine.admission import LORA_STARVATION_STEPS, Service
+from loraplex.engine.fair_queue import FairQueue
+from loraplex.engine.priority_queue import PriorityQueue
 from loraplex.engine.request import Request
 
-# Steps a skipped adapter request waits before no other adapter request may pass it.
-LORA_STARVATION_STEPS = 16
+__all__ = [
+    "LORA_STARVATION_STEPS",
+    "FCFSQueue",
+    "FairQueue",
+    "PriorityQueue",
+    "Service",
+    "WaitingQueue",
+    "make_waiting_queue",
+]
 
 
 class WaitingQueue(Protocol):
     """The waiting requests of one scheduler, in the policy's order."""
+
+    # Whether ``admission_victims`` may name any: the scheduler then also looks at the next
+    # request when no seat is free (FCFS does not, so its passes stay as they were).
+    priority_preemption: bool
 
     def add(self, req: Request) -> None:
         """A new request (or a sample released by its leader): queue it by the policy."""
@@ -69,6 +89,26 @@ class WaitingQueue(Protocol):
         before it are already scheduled this step; ``running[first]`` needs the room)."""
         ...
 
+    def admission_victims(self, running: Sequence[Request], waiting: Request) -> list[Request]:
+        """The running requests that may be preempted so that ``waiting`` (which found no seat
+        or no KV room) can be admitted, best victim first; empty when none may. A victim must
+        never be able to preempt back the request it made room for."""
+        ...
+
+    def charge(self, served: Sequence[Service], running: Sequence[Request]) -> None:
+        """One step's service, once per step after its tokens were appended; ``running``: the
+        requests still running after it."""
+        ...
+
+    def set_tenant_weights(self, weights: Mapping[str, float]) -> None:
+        """Tenant id -> weight (checked: finite, above 0) for the service charged from now on;
+        a tenant not named weighs 1.0."""
+        ...
+
+    def virtual_service(self) -> Mapping[str | None, float] | None:
+        """Each tenant's counter of weighted service; None for a policy that keeps none."""
+        ...
+
 
 class FCFSQueue:
     """First come, first served, with a bound on how long a cold adapter can wait.
@@ -79,6 +119,8 @@ class FCFSQueue:
     waited less may pass it: the slots drain, and it gets one within a bounded time. The victim
     of a preemption is the newest running request.
     """
+
+    priority_preemption = False
 
     def __init__(self, lora_starvation_steps: int = LORA_STARVATION_STEPS) -> None:
         self.lora_starvation_steps = lora_starvation_steps
@@ -148,9 +190,32 @@ class FCFSQueue:
     def preemption_victim(self, running: list[Request], first: int) -> int:
         return len(running) - 1
 
+    def admission_victims(self, running: Sequence[Request], waiting: Request) -> list[Request]:
+        return []  # first come, first served: nobody is preempted for a later request
 
-def make_waiting_queue(policy: SchedulingPolicy = "fcfs") -> WaitingQueue:
-    """The waiting queue of a scheduling policy (``SchedulerConfig.scheduling_policy``)."""
+    # ---- service and weights (this policy keeps no counters) -------------------------------
+
+    def charge(self, served: Sequence[Service], running: Sequence[Request]) -> None:
+        pass
+
+    def set_tenant_weights(self, weights: Mapping[str, float]) -> None:
+        pass
+
+    def virtual_service(self) -> Mapping[str | None, float] | None:
+        return None
+
+
+def make_waiting_queue(
+    policy: SchedulingPolicy = "fcfs", config: SchedulerConfig | None = None
+) -> WaitingQueue:
+    """The waiting queue of a scheduling policy (``SchedulerConfig.scheduling_policy``);
+    ``config`` gives the fair policy its prices (``fair_prompt_weight``,
+    ``fair_output_weight``)."""
+    config = config or SchedulerConfig()
     if policy == "fcfs":
         return FCFSQueue()
-    raise ValueError(f"unknown scheduling policy {policy!r}; known: fcfs")
+    if policy == "priority":
+        return PriorityQueue()
+    if policy == "fair":
+        return FairQueue(config.fair_prompt_weight, config.fair_output_weight)
+    raise ValueError(f"unknown scheduling policy {policy!r}; known: fcfs, priority, fair")

@@ -307,3 +307,19 @@ def test_trim_to_zero_and_errors() -> None:
     waiting.truncate(6)
     kv.trim(waiting, 0)
     assert len(waiting.block_hashes) == 1
+
+
+def test_blocks_short_and_blocks_freed_by_requests() -> None:
+    kv = KVCacheManager(9, 4)  # 8 usable blocks
+    a = Request("a", list(range(12)), SamplingParams())
+    b = Request("b", [*range(12), 99], SamplingParams())
+    assert kv.allocate_slots(a, 12)  # 3 blocks
+    hits = kv.get_computed_blocks(b)
+    assert len(hits) == 3 and kv.allocate_slots(b, 1, hits)  # shares a's 3, takes 1
+    c = Request("c", list(range(100, 124)), SamplingParams())
+    assert kv.num_blocks_short(c, 24) == 6 - 4  # 6 blocks wanted, 4 free
+    assert not kv.allocate_slots(c, 24)
+    assert kv.num_freed_by(["b"]) == 1  # the shared blocks stay with a
+    assert kv.num_freed_by(["a", "b"]) == 4
+    assert kv.num_freed_by(["a", "b"], keep=hits[:1]) == 3
+    assert kv.num_blocks_short(c, 16) == 0 and kv.allocate_slots(c, 16)

@@ -1,6 +1,7 @@
 """The scheduling policy alone (``FCFSQueue``) and injected into the scheduler with the fake
 runner: admission order, passing over adapters without a slot, the starvation bound, the
-preemption victim, and a policy that breaks the protocol."""
+preemption victim, and a policy that breaks the protocol; the selector builds every policy
+(``PriorityQueue`` and ``FairQueue`` have their own tests)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from loraplex.engine.request import Request
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.waiting_queue import (
     LORA_STARVATION_STEPS,
+    FairQueue,
     FCFSQueue,
+    PriorityQueue,
     WaitingQueue,
     make_waiting_queue,
 )
@@ -217,3 +220,19 @@ def test_thousands_of_steps_with_a_steady_hot_stream(limit: int) -> None:
     else:  # the hot adapter holds the only slot for good
         assert not any(rid in first_token for rid in colds), waits
     kv.check_integrity()
+
+
+def test_every_policy_from_the_config() -> None:
+    fair = make_waiting_queue("fair", SchedulerConfig(fair_prompt_weight=0, fair_output_weight=3))
+    assert isinstance(fair, FairQueue) and (fair.prompt_weight, fair.output_weight) == (0, 3)
+    assert isinstance(make_waiting_queue("priority"), PriorityQueue)
+    kv = KVCacheManager(8, 4)
+    sched = Scheduler(SchedulerConfig(scheduling_policy="fair"), kv, 16)
+    assert isinstance(sched.waiting, FairQueue)
+    assert (sched.waiting.prompt_weight, sched.waiting.output_weight) == (1.0, 2.0)
+    with pytest.raises(ValueError, match="fair_output_weight must be"):
+        SchedulerConfig(fair_output_weight=-1)
+    with pytest.raises(ValueError, match="both 0"):
+        SchedulerConfig(fair_prompt_weight=0, fair_output_weight=0)
+    with pytest.raises(ValueError, match="one of fcfs, priority, fair"):
+        SchedulerConfig(scheduling_policy="lottery")  # type: ignore[arg-type]
