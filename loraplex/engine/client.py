@@ -15,11 +15,12 @@ import contextlib
 import dataclasses
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 
 from loraplex.engine.adapter_table import OPERATOR_OWNER, AdapterTable, Release
-from loraplex.engine.info import AdapterInfo, EngineInfo, EngineStats
+from loraplex.engine.admission import check_tenant_weights
+from loraplex.engine.info import NO_TENANT, AdapterInfo, EngineInfo, EngineStats, TenantStats
 from loraplex.engine.output_processor import sample_ids
 from loraplex.engine.records import EngineCoreOutput, TokenLogprobs
 from loraplex.engine.request import Request
@@ -28,6 +29,7 @@ from loraplex.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "NO_TENANT",
     "OPERATOR_OWNER",
     "AdapterInfo",
     "AdapterNotLoadedError",
@@ -39,7 +41,9 @@ __all__ = [
     "Release",
     "RequestDelta",
     "StreamingClient",
+    "TenantStats",
     "build_core_requests",
+    "check_tenant_weights",
     "validate_prompt",
 ]
 
@@ -222,6 +226,15 @@ class EngineClient(ABC):
     async def stats(self) -> EngineStats:
         """The engine's snapshot, with this client's ``num_inflight`` and ``engine_restarts``."""
 
+    @abstractmethod
+    async def set_tenant_weights(self, weights: Mapping[str, float]) -> None:
+        """Tenant id -> share weight for the engine's "fair" scheduling policy: a tenant of
+        weight 3 gets three times the service of a tenant of weight 1 while both wait for
+        the engine. A tenant not named weighs 1.0. Replaces the weights given before; the
+        engine uses them from its next step on, and an engine that restarts gets them again.
+        ``ValueError`` at the call for a weight that is not a finite number above 0. Other
+        policies hold them (``EngineStats.tenants``) but do not use them."""
+
     @property
     @abstractmethod
     def healthy(self) -> bool: ...
@@ -324,6 +337,7 @@ class StreamingClient(EngineClient):
         self._started = False
         self._shutdown: asyncio.Task[None] | None = None
         self.engine_restarts = 0
+        self._tenant_weights: dict[str, float] = {}  # the last given; a new engine gets them
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Idempotent: later and concurrent calls wait for the first one's shutdown."""

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 from loraplex.config import EngineConfig
-from loraplex.engine.info import EngineInfo, EngineStats, LoRAStats
+from loraplex.engine.info import NO_TENANT, EngineInfo, EngineStats, LoRAStats, TenantStats
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.records import EngineCoreOutput
 from loraplex.engine.request import Request
@@ -110,6 +112,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def set_tenant_weights(self, weights: Mapping[str, float]) -> None:
+        """Tenant id -> share weight for the fair policy, from the next step on (``ValueError``
+        for a weight that is not a finite number above 0)."""
+        self.scheduler.set_tenant_weights(weights)
+
     def step(self) -> list[EngineCoreOutput]:
         out = self.scheduler.schedule()
         result = self.runner.execute(out)
@@ -135,7 +142,28 @@ class EngineCore:
             num_generated_tokens=sched.stats.num_generated_tokens,
             max_model_len=self.max_model_len,
             lora=self._lora_stats(),
+            tenants=self._tenant_stats(),
         )
+
+    def _tenant_stats(self) -> dict[str, TenantStats]:
+        sched = self.scheduler
+        running = Counter(r.tenant for r in sched.running)
+        waiting = Counter(r.tenant for r in sched.waiting_requests())
+        counters = sched.waiting.virtual_service()
+        usage = sched.stats.tenants
+        tenants: dict[str, TenantStats] = {}
+        seen = {*usage, *running, *waiting, *(counters or ()), *sched.tenant_weights}
+        for tenant in sorted(seen, key=lambda t: (t is not None, t or "")):
+            used = usage.get(tenant)
+            tenants[NO_TENANT if tenant is None else tenant] = TenantStats(
+                virtual_service=None if counters is None else counters.get(tenant, 0.0),
+                num_prompt_tokens_computed=used.num_prompt_tokens_computed if used else 0,
+                num_generated_tokens=used.num_generated_tokens if used else 0,
+                num_running=running[tenant],
+                num_waiting=waiting[tenant],
+                weight=1.0 if tenant is None else sched.tenant_weights.get(tenant, 1.0),
+            )
+        return tenants
 
     def _lora_stats(self) -> LoRAStats | None:
         lora = self.runner.lora

@@ -7,13 +7,14 @@ dict of string keys. No torch here: the platform imports this module.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from loraplex.lora.adapter import LoRAAdapter
 
 Tier = Literal["device", "host", "disk"]
+NO_TENANT = "-"  # the key of requests without a tenant (the operator, offline use) in stats
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,22 @@ class LoRAStats:
 
 
 @dataclass(frozen=True)
+class TenantStats:
+    """One tenant's share of the engine: service since the engine started and its requests
+    now. ``virtual_service`` is the fair policy's counter (weighted service: prompt tokens times
+    ``fair_prompt_weight`` plus generated tokens times ``fair_output_weight``, each divided by
+    the tenant's weight at the time, with the lifts of a returning tenant); None under a policy
+    that keeps none."""
+
+    virtual_service: float | None = None
+    num_prompt_tokens_computed: int = 0  # recomputation after a preemption included
+    num_generated_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    weight: float = 1.0  # the weight the engine holds for it now (set_tenant_weights)
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """One snapshot of the engine. Counters are totals since the engine process started (a
     restart starts them again; ``engine_restarts`` says when); gauges are current values.
@@ -93,6 +110,9 @@ class EngineStats:
     num_generated_tokens: int = 0
     max_model_len: int = 0
     lora: LoRAStats | None = None  # None: the engine serves no adapters
+    # tenant id (NO_TENANT for requests without one) -> its share: every tenant with a request
+    # since the engine started, and every tenant given a weight
+    tenants: Mapping[str, TenantStats] = field(default_factory=dict)
     num_inflight: int = 0
     engine_restarts: int = 0
 

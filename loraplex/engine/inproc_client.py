@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -20,6 +20,7 @@ from loraplex.engine.client import (
     EngineStartupError,
     EngineStats,
     StreamingClient,
+    check_tenant_weights,
 )
 from loraplex.engine.request import Request
 
@@ -50,13 +51,13 @@ class InprocEngineClient(StreamingClient):
         from loraplex.engine.core import EngineCore  # torch: only once the engine starts
 
         try:
-            self._core, self.info = await self._in_thread(
-                EngineCore.build, self.config, self.model_dir
-            )
+            core, self.info = await self._in_thread(EngineCore.build, self.config, self.model_dir)
         except Exception as exc:
             raise EngineStartupError(
                 f"could not start the engine on {self.model_dir}: {type(exc).__name__}: {exc}"
             ) from exc
+        core.set_tenant_weights(self._tenant_weights)  # those given before start
+        self._core = core
         self._started = True
         self._task = asyncio.create_task(self._step_loop(), name="loraplex-engine-steps")
 
@@ -141,6 +142,13 @@ class InprocEngineClient(StreamingClient):
             core = self._use_core()
             stats = core.stats()
         return self._with_client_stats(stats)
+
+    async def set_tenant_weights(self, weights: Mapping[str, float]) -> None:
+        self._tenant_weights = check_tenant_weights(weights)
+        if self._core is None:  # not started: the core gets them when it is built
+            return
+        async with self._lock:  # between steps: the next one charges with them
+            self._use_core().set_tenant_weights(self._tenant_weights)
 
     async def _do_shutdown(self, timeout: float) -> None:
         if self._started:

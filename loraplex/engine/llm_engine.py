@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from loraplex.config import EngineConfig
@@ -136,3 +137,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+    def set_tenant_weights(self, weights: Mapping[str, float]) -> None:
+        """Tenant id -> share weight for the "fair" policy, from the next step on."""
+        self.core.set_tenant_weights(weights)

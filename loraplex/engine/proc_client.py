@@ -5,9 +5,9 @@
 
 Supervision: the reader thread sees EOF the moment the child dies (the parent holds no copy of
 the child's end of the pipe). Every in-flight request then raises ``EngineDeadError``, ``healthy``
-goes False, and a new child is started with the same config and every loaded adapter (same
-keys); ``healthy`` returns to True once it is ready. Each child has a generation number; messages
-and EOF from an older generation are ignored.
+goes False, and a new child is started with the same config, every loaded adapter (same keys)
+and the tenant weights last given; ``healthy`` returns to True once it is ready. Each child has a
+generation number; messages and EOF from an older generation are ignored.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import multiprocessing
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, TypeVar
@@ -33,6 +33,7 @@ from loraplex.engine.client import (
     EngineStartupError,
     EngineStats,
     StreamingClient,
+    check_tenant_weights,
 )
 from loraplex.engine.proc_main import (
     AbortRequests,
@@ -49,6 +50,7 @@ from loraplex.engine.proc_main import (
     RemoveLoRA,
     Reply,
     RequestFailed,
+    SetTenantWeights,
     Shutdown,
     StartupFailed,
     default_num_threads,
@@ -183,9 +185,10 @@ class ProcEngineClient(StreamingClient):
             AdapterSpec(held.name, held.source, held.pinned, held.info.key)
             for held in self._loras.held()
         ]
+        weights = dict(self._tenant_weights)
         proc = ctx.Process(
             target=run_engine,
-            args=(child_conn, self.config, self.model_dir, adapters, self.num_threads),
+            args=(child_conn, self.config, self.model_dir, adapters, self.num_threads, weights),
             name="loraplex-engine",
             daemon=True,
         )
@@ -218,6 +221,9 @@ class ProcEngineClient(StreamingClient):
                 if proc.is_alive():
                     proc.kill()
                     await asyncio.to_thread(proc.join, self.join_timeout)
+        if self._tenant_weights != weights:  # given while this child was starting
+            with contextlib.suppress(EngineDeadError):  # a next child gets them at its start
+                await self._call_engine(SetTenantWeights(dict(self._tenant_weights)))
 
     def _on_ready(self, ready: Ready) -> None:
         # Runs in the same callback as the message: from here on, EOF is a death.
@@ -337,6 +343,10 @@ class ProcEngineClient(StreamingClient):
     async def _call(self, call: EngineCall[R]) -> R:
         if not self._started:
             raise RuntimeError("the engine client is not started; await start() first")
+        return await self._call_engine(call)
+
+    async def _call_engine(self, call: EngineCall[R]) -> R:
+        """Send ``call`` to the ready child and wait for its reply (also while starting)."""
         if not self._healthy:
             raise EngineDeadError("the engine is not available (restarting); retry shortly")
         assert self._loop is not None
@@ -361,6 +371,12 @@ class ProcEngineClient(StreamingClient):
     async def stats(self) -> EngineStats:
         stats = await self._call(GetStats())
         return self._with_client_stats(stats)
+
+    async def set_tenant_weights(self, weights: Mapping[str, float]) -> None:
+        self._tenant_weights = check_tenant_weights(weights)
+        if self._healthy:  # else the engine gets them when it (re)starts (``_spawn``)
+            with contextlib.suppress(EngineDeadError):  # it died meanwhile: the same
+                await self._call_engine(SetTenantWeights(dict(self._tenant_weights)))
 
     async def _do_shutdown(self, timeout: float) -> None:
         if self._started:

@@ -3,8 +3,8 @@ there is work, sending each step's outputs back in one message.
 
 Both ends of the pipe are ours, so messages are pickled dataclasses; tenant data never crosses as
 pickle from outside (adapters cross as paths and are read with safetensors in this process).
-Calls the client waits on are typed records (``AddLoRA``, ``RemoveLoRA``, ``GetStats``), each
-naming its reply type, served by type (``call_core``). This module imports torch only inside the
+Calls the client waits on are typed records (``AddLoRA``, ``RemoveLoRA``, ``GetStats``,
+``SetTenantWeights``), each naming its reply type, served by type (``call_core``). This module imports torch only inside the
 engine process.
 """
 
@@ -80,6 +80,13 @@ class GetStats(EngineCall[EngineStats]):
     """``EngineCore.stats()``."""
 
 
+@dataclass(frozen=True)
+class SetTenantWeights(EngineCall[None]):
+    """``EngineCore.set_tenant_weights``: tenant id -> share weight, from the next step on."""
+
+    weights: dict[str, float]
+
+
 @dataclass
 class Call:
     """A call on the wire: ``Reply.call_id`` matches the reply to it."""
@@ -146,11 +153,16 @@ def _get_stats(core: EngineCore, call: GetStats) -> EngineStats:
     return core.stats()
 
 
+def _set_tenant_weights(core: EngineCore, call: SetTenantWeights) -> None:
+    core.set_tenant_weights(call.weights)
+
+
 # each call record -> what serves it
 _HANDLERS: dict[type[EngineCall[Any]], Callable[[EngineCore, Any], Any]] = {
     AddLoRA: _add_lora,
     RemoveLoRA: _remove_lora,
     GetStats: _get_stats,
+    SetTenantWeights: _set_tenant_weights,
 }
 
 
@@ -169,13 +181,15 @@ def run_engine(
     model_dir: str,
     adapters: list[AdapterSpec],
     num_threads: int,
+    tenant_weights: dict[str, float] | None = None,
 ) -> None:
-    """Entry point of the engine process (``multiprocessing`` spawn target)."""
+    """Entry point of the engine process (``multiprocessing`` spawn target). ``adapters`` and
+    ``tenant_weights`` are the client's, given again to an engine that restarts."""
     # Ctrl-C reaches the whole process group; the client decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     code = 1
     try:
-        code = _run(conn, config, model_dir, adapters, num_threads)
+        code = _run(conn, config, model_dir, adapters, num_threads, tenant_weights or {})
     except (EOFError, OSError):
         code = 0  # the client went away: nothing left to serve
     except BaseException:
@@ -196,6 +210,7 @@ def _run(
     model_dir: str,
     adapters: list[AdapterSpec],
     num_threads: int,
+    tenant_weights: dict[str, float],
 ) -> int:
     try:
         import torch
@@ -204,6 +219,7 @@ def _run(
         from loraplex.engine.core import EngineCore
 
         core, info = EngineCore.build(config, model_dir)
+        call_core(core, SetTenantWeights(tenant_weights))
     except Exception as exc:
         conn.send(StartupFailed(f"{type(exc).__name__}: {exc}"))
         return 1

@@ -1,6 +1,7 @@
 """The EngineClient contract, for both clients (in-process and child-process): same tokens as
 ``LLM.generate`` under concurrency, n > 1, logprobs, abort / consumer close free every KV block,
-adapters (and AdapterError) through the client, bad input, shutdown while requests run.
+adapters (and AdapterError) through the client, bad input, shutdown while requests run, tenant
+weights and per-tenant stats.
 
 One client per kind serves the whole module: it lives on an event loop in a background thread
 (``Harness.run``), so the child process starts once.
@@ -16,17 +17,19 @@ from pathlib import Path
 import pytest
 
 from loraplex import LoRARequest, SamplingParams
-from loraplex.engine.client import EngineDeadError, RequestDelta
+from loraplex.engine.client import NO_TENANT, EngineDeadError, RequestDelta, TenantStats
 from loraplex.engine.proc_client import ProcEngineClient
 from loraplex.engine.request import Request
 from loraplex.llm import LLM
 from loraplex.lora.adapter import AdapterError
 from tests.utils.clients import (
     ENGINE,
+    Harness,
     Served,
     collect,
     engine_config,
     finishes,
+    make_client,
     sample_tokens,
     sample_trace,
     start_client,
@@ -340,3 +343,33 @@ def test_shutdown_lets_short_requests_finish_and_aborts_the_rest(kind: str, mode
     assert not client.healthy
     if isinstance(client, ProcEngineClient):
         assert client.process is not None and client.process.exitcode == 0
+
+
+@pytest.mark.parametrize("kind", ["inproc", "proc"])
+def test_tenant_weights_and_tenant_stats_through_the_client(kind: str, model_dir: str) -> None:
+    """Weights given before start reach the engine; a bad weight is refused at the call and
+    keeps the weights before it; stats report each tenant's service and weight."""
+    harness = Harness()
+    client = make_client(kind, engine_config(model_dir, scheduling_policy="fair"), model_dir)
+    served = Served(kind, client, harness)
+    try:
+        served.run(client.set_tenant_weights({"a": 2.0}))
+        served.run(client.start())
+        stats = served.run(client.stats())
+        assert stats.tenants["a"] == TenantStats(virtual_service=0.0, weight=2.0)
+        with pytest.raises(ValueError, match="weight of tenant 'b'"):
+            served.run(client.set_tenant_weights({"a": 1.0, "b": -1.0}))
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        deltas = served.run(collect(client.generate("wa", [5, 6, 7, 8, 9], params, tenant="a")))
+        assert len(sample_tokens(deltas)) == 4
+        a = served.run(client.stats()).tenants["a"]
+        assert (a.num_prompt_tokens_computed, a.num_generated_tokens) == (5, 4)
+        assert a.virtual_service == (5 + 2 * 4) / 2.0  # the weight before the refused call
+        served.run(client.set_tenant_weights({"b": 4.0}))
+        served.run(collect(client.generate("wo", [9, 8, 7], params)))
+        tenants = served.run(client.stats()).tenants
+        assert (tenants["a"].weight, tenants["b"].weight, tenants[NO_TENANT].weight) == (1, 4, 1)
+        assert tenants[NO_TENANT].num_generated_tokens == 4
+        assert_engine_idle(served)
+    finally:
+        stop_client(served)

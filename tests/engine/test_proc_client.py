@@ -1,6 +1,7 @@
 """The child-process client's supervision: kill -9 under load fails every in-flight request with
-EngineDeadError at once, the engine restarts with its adapters (same keys) and serves again; a bad
-model directory is a clean startup error, not a hang."""
+EngineDeadError at once, the engine restarts with its adapters (same keys) and the tenant weights
+last given (also while it was down) and serves again; a bad model directory is a clean startup
+error, not a hang."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def test_kill_9_under_load_fails_inflight_then_restarts_with_adapters(tmp_path: 
     assert isinstance(client, ProcEngineClient)
     try:
         lora = served.run(client.add_lora("a4", adapter_dir, pinned=True))
+        served.run(client.set_tenant_weights({"t": 3.0}))
         prompt = [9, 10, 11, 12, 13]
         greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         before = served.run(collect(client.generate("pre", prompt, greedy, lora_key=lora.key)))
@@ -61,6 +63,7 @@ def test_kill_9_under_load_fails_inflight_then_restarts_with_adapters(tmp_path: 
                 client.generate("during", prompt, greedy)
             with pytest.raises(EngineDeadError):
                 await client.stats()
+            await client.set_tenant_weights({"t": 3.0, "u": 0.5})  # kept for the new engine
             while not client.healthy:
                 assert loop.time() - killed_at < 90, "the engine did not come back"
                 await asyncio.sleep(0.02)
@@ -74,6 +77,7 @@ def test_kill_9_under_load_fails_inflight_then_restarts_with_adapters(tmp_path: 
 
         stats = served.run(client.stats())
         assert stats.engine_restarts == 1 and stats.num_inflight == 0
+        assert {t: s.weight for t, s in stats.tenants.items()} == {"t": 3.0, "u": 0.5}
         assert stats.lora.registered == 1 and stats.kv_blocks_used == 0
         after = served.run(collect(client.generate("post", prompt, greedy, lora_key=lora.key)))
         assert sample_tokens(after) == sample_tokens(before)  # same adapter, same key

@@ -17,6 +17,7 @@ from loraplex.engine.proc_main import (
     GetStats,
     RemoveLoRA,
     Reply,
+    SetTenantWeights,
     _handle,
     call_core,
 )
@@ -48,6 +49,9 @@ class FakeCore:
         self.calls.append(("stats",))
         return {"num_running": 0}
 
+    def set_tenant_weights(self, weights: dict[str, float]) -> None:
+        self.calls.append(("set_tenant_weights", weights))
+
 
 @dataclass
 class FakeConn:
@@ -65,7 +69,13 @@ def test_each_call_is_served_by_its_type() -> None:
     assert info == AdapterInfo("hash-of-/p", "a", 4, ("q_proj",), 128)
     assert call_core(c, RemoveLoRA("k")) is None
     assert call_core(c, GetStats()) == {"num_running": 0}
-    assert core.calls == [("add_lora", "a", "/p", True), ("remove_lora", "k"), ("stats",)]
+    assert call_core(c, SetTenantWeights({"t": 2.0})) is None
+    assert core.calls == [
+        ("add_lora", "a", "/p", True),
+        ("remove_lora", "k"),
+        ("stats",),
+        ("set_tenant_weights", {"t": 2.0}),
+    ]
 
 
 def test_an_unknown_call_is_refused() -> None:
@@ -91,7 +101,9 @@ def test_replies_and_errors_go_back_under_the_call_id() -> None:
     assert isinstance(failed.error, ValueError) and "in use" in str(failed.error)
 
 
-@pytest.mark.parametrize("call", [AddLoRA("a", "/p", True), RemoveLoRA("k"), GetStats()])
+@pytest.mark.parametrize(
+    "call", [AddLoRA("a", "/p", True), RemoveLoRA("k"), GetStats(), SetTenantWeights({"t": 2.0})]
+)
 def test_call_records_pickle(call: EngineCall[Any]) -> None:
     wire = pickle.loads(pickle.dumps(Call(3, call)))
     assert wire.call_id == 3 and wire.call == call and type(wire.call) is type(call)

@@ -10,7 +10,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from loraplex.config import CacheConfig, EngineConfig, ModelConfig
+from loraplex.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from loraplex.engine.client import EngineClient, RequestDelta
 from loraplex.engine.inproc_client import InprocEngineClient
 from loraplex.engine.proc_client import ProcEngineClient
@@ -21,10 +21,12 @@ ENGINE = dict(max_model_len=128, block_size=4, num_blocks=200)
 
 
 def engine_config(model_dir: str, **overrides: Any) -> EngineConfig:
+    """``ENGINE``'s small engine; ``scheduling_policy`` may be given too."""
     kw = {**ENGINE, **overrides}
     return EngineConfig(
         model=ModelConfig(model=model_dir, max_model_len=kw["max_model_len"]),
         cache=CacheConfig(block_size=kw["block_size"], num_blocks=kw["num_blocks"]),
+        scheduler=SchedulerConfig(scheduling_policy=kw.get("scheduling_policy", "fcfs")),
     )
 
 

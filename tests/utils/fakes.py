@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import hashlib
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ from loraplex.engine.client import (
     EngineDeadError,
     EngineInfo,
     RequestDelta,
+    check_tenant_weights,
     validate_prompt,
 )
 from loraplex.engine.info import EngineStats, LoRAStats
@@ -71,6 +72,7 @@ class FakeEngineClient(EngineClient):
     adapters: dict[str, AdapterInfo] = field(default_factory=dict)
     running_on: dict[str, int] = field(default_factory=dict)  # adapter key -> running requests
     started: bool = False
+    tenant_weights: dict[str, float] | None = None  # the last set_tenant_weights (checked)
 
     def __post_init__(self) -> None:
         self._init_adapters()
@@ -174,6 +176,9 @@ class FakeEngineClient(EngineClient):
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    async def set_tenant_weights(self, weights: Mapping[str, float]) -> None:
+        self.tenant_weights = check_tenant_weights(weights)  # refuses what the engine refuses
 
     async def _load_lora(self, name: str, path: str, pinned: bool) -> AdapterInfo:
         from loraplex.lora.adapter import AdapterError
