@@ -1,4 +1,5 @@
-"""The offline API: input validation, sampling options end to end, n > 1, stats."""
+"""The offline API: input validation, sampling options end to end, n > 1, stats, priorities
+under the priority and fair policies."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from loraplex import SamplingParams
+from loraplex.engine.records import SchedulerOutput
 from loraplex.llm import LLM
 from tests.utils.models import make_tiny_model
 
@@ -167,3 +169,34 @@ def test_priority_one_for_all_or_one_per_prompt(llm: LLM, monkeypatch: pytest.Mo
     with pytest.raises(ValueError, match="priority has 1 entries for 2 prompts"):
         llm.generate([GOOD, GOOD], p, use_tqdm=False, priority=[1])
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("policy", ["priority", "fair"])
+def test_scheduling_policy_orders_admission_and_keeps_outputs(llm: LLM, policy: str) -> None:
+    """One seat: the priority -1 prompt is admitted first, then 0, then 1; the tokens are those
+    of FCFS."""
+    ordered = LLM(
+        llm.llm_engine.model_dir,
+        max_model_len=128,
+        block_size=4,
+        num_blocks=200,
+        max_num_seqs=1,
+        scheduling_policy=policy,  # type: ignore[arg-type]
+    )
+    sched = ordered.llm_engine.core.scheduler
+    first_scheduled: list[str] = []
+    schedule = sched.schedule
+
+    def record() -> SchedulerOutput:
+        out = schedule()
+        first_scheduled.extend(s.request_id for s in out.requests if s.start_pos == 0)
+        return out
+
+    sched.schedule = record  # type: ignore[method-assign]
+    prompts = [[5, 6, 7], [9, 10, 11, 12], [20, 21]]
+    p = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    got = ordered.generate(prompts, p, use_tqdm=False, priority=[1, -1, 0])
+    want = llm.generate(prompts, p, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    index = {o.request_id: i for i, o in enumerate(got)}
+    assert [index[rid] for rid in first_scheduled] == [1, 2, 0]
