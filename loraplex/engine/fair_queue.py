@@ -96,7 +96,8 @@ class FairQueue:
             self._counters[tenant] = 0.0
 
     def _lift(self, tenant: Tenant) -> None:
-        """``tenant`` becomes backlogged: its counter is at least the smallest backlogged one."""
+        """``tenant`` becomes backlogged: its counter rises to the smallest counter of the other
+        tenants with waiting requests (else of those running, else the last such value)."""
         self._seen(tenant)
         others = [self._counters[t] for t, line in self._lines.items() if len(line) and t != tenant]
         if not others:
