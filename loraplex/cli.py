@@ -99,6 +99,22 @@ def build_parser() -> argparse.ArgumentParser:
             ),
         )
     )
+    from loraplex.bench.fairness_options import add_fairness_arguments
+
+    add_fairness_arguments(
+        benches.add_parser(
+            "fairness",
+            help="tenant-fair and priority scheduling through the HTTP server, policy vs policy",
+            description=(
+                "Start loraplex serve once per policy and repeat (alternating) and measure, over "
+                "HTTP with streaming clients: a flood from tenant A against B's occasional "
+                "requests (B's p99 time to first token, total output tokens/s), the shares of "
+                "two backlogged tenants with equal weights and with A's weight raised on the "
+                "running server, and priority -1 requests jumping A's queue. Writes JSON and a "
+                "PNG to --output-dir."
+            ),
+        )
+    )
     from loraplex.platform.admin_cli import add_commands as add_platform_commands
 
     add_platform_commands(commands, _Parser)
@@ -320,6 +336,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _prepare(args)
         if args.command == "bench" and args.bench == "throughput":
             return _throughput(args)
+        if args.command == "bench" and args.bench == "fairness":
+            from loraplex.bench.fairness import run_fairness
+            from loraplex.bench.fairness_options import options_from
+
+            run_fairness(options_from(args))
+            return 0
         if args.command in ("db", "admin"):
             from loraplex.platform.admin_cli import run as run_platform_command
 

@@ -143,14 +143,17 @@ def add_engine_arguments(
     env: bool = False,
     names: Collection[str] | None = None,
     environ: Mapping[str, str] = os.environ,
+    defaults_shown: Mapping[str, str] | None = None,
 ) -> None:
     """Add the engine's flags (``names``: only those). With ``env``, ``LORAPLEX_<NAME>`` gives a
-    flag's default. A flag not given is None (``from_args`` then keeps the config's default)."""
+    flag's default. A flag not given is None (``from_args`` then keeps the config's default).
+    ``defaults_shown``: the default to name in a flag's help where the command picks its own."""
     for arg in ENGINE_ARGS:
         if names is not None and arg.name not in names:
             continue
         default = _from_env(arg, environ) if env else None
-        help_text = f"{arg.help} (default {arg.default}" + (f"; env {arg.env})" if env else ")")
+        shown = (defaults_shown or {}).get(arg.name, arg.default)
+        help_text = f"{arg.help} (default {shown}" + (f"; env {arg.env})" if env else ")")
         if arg.switch:
             parser.add_argument(
                 arg.flag, action=argparse.BooleanOptionalAction, default=default, help=help_text

@@ -21,8 +21,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from loraplex.argtypes import positive_int
-from loraplex.platform import admin_token, tenants
+from loraplex.argtypes import positive_float, positive_int
+from loraplex.platform import admin_token, audit, tenants
 from loraplex.platform.db import migrate
 from loraplex.platform.db.database import Database
 from loraplex.platform.db.models import utcnow
@@ -84,6 +84,15 @@ def add_commands(commands: Any, parser_class: type[argparse.ArgumentParser]) -> 
     p.add_argument("--tpm", type=positive_int, default=None, help="tokens per minute")
     p.add_argument("--max-concurrent", type=positive_int, default=None, help="concurrent requests")
     p.add_argument("--max-adapters", type=positive_int, default=None, help="adapters it may own")
+    _scheduling_arguments(p, 1.0, 0)
+    p = leaf(tenant, "update", "change a tenant's limits, scheduling or status")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--display-name", default=None)
+    p.add_argument("--status", choices=tenants.TENANT_STATUSES, default=None)
+    for flag, help_ in _QUOTA_FLAGS.items():
+        p.add_argument(flag, type=_limit_arg, default=argparse.SUPPRESS, metavar="N|none",
+                       help=f"{help_} (none: unlimited)")  # fmt: skip
+    _scheduling_arguments(p, None, None)
     leaf(tenant, "list", "list the tenants")
 
     key = group(admin, "key", "tenants' API keys", "key_command")
@@ -103,6 +112,34 @@ def add_commands(commands: Any, parser_class: type[argparse.ArgumentParser]) -> 
 
     token = group(admin, "token", "the operator's admin token", "token_command")
     leaf(token, "rotate", "replace the admin token and print the new one (the old one stops)")
+
+
+_QUOTA_FLAGS = {  # flag: help, in QUOTA_FIELDS order
+    "--rpm": "requests per minute",
+    "--tpm": "tokens per minute",
+    "--max-concurrent": "concurrent requests",
+    "--max-adapters": "adapters it may own",
+}
+UNLIMITED = "none"
+
+
+def _limit_arg(text: str) -> int | None:
+    """A quota for ``tenant update``: a whole number of at least 1, or "none" (unlimited)."""
+    return None if text.strip().lower() == UNLIMITED else positive_int(text)
+
+
+def _scheduling_arguments(
+    p: argparse.ArgumentParser, weight: float | None, prio: int | None
+) -> None:
+    p.add_argument(
+        "--weight", type=positive_float, default=weight,
+        help="its share of the engine when backlogged, under the fair policy (1 = equal)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-priority", type=int, default=prio, metavar="P",
+        help="the most urgent request priority it may send (lower runs earlier; 0 = none "
+        "ahead of the default)",
+    )  # fmt: skip
 
 
 def settings_from(args: argparse.Namespace) -> TenancySettings:
@@ -221,6 +258,7 @@ def _admin(args: argparse.Namespace, settings: TenancySettings, out: Any, err: A
     try:
         handler = {
             ("tenant", "create"): _tenant_create,
+            ("tenant", "update"): _tenant_update,
             ("tenant", "list"): _tenant_list,
             ("key", "create"): _key_create,
             ("key", "list"): _key_list,
@@ -245,13 +283,42 @@ def _tenant_create(
         max_concurrent_requests=args.max_concurrent,
         max_adapters=args.max_adapters,
     )
+    scheduling = tenants.Scheduling(weight=args.weight, max_priority=args.max_priority)
     tenant = db.call(
         lambda s: tenants.create_tenant(
-            s, CLI_ACTOR, args.name, display_name=args.display_name, quotas=quotas
+            s, CLI_ACTOR, args.name, display_name=args.display_name, quotas=quotas,
+            scheduling=scheduling,
         )
-    )
+    )  # fmt: skip
     print(f"created tenant {tenant.name} ({_quota_text(tenant)})", file=out)
     print(f"loraplex: next: loraplex admin key create {tenant.name}", file=err)
+
+
+def _tenant_update(
+    args: argparse.Namespace, settings: TenancySettings, db: Database, out: Any, err: Any
+) -> None:
+    dests = [flag[2:].replace("-", "_") for flag in _QUOTA_FLAGS]  # absent when not given
+    quotas = {
+        field: getattr(args, dest)
+        for dest, field in zip(dests, tenants.QUOTA_FIELDS, strict=True)
+        if hasattr(args, dest)
+    }
+
+    def update(session: Session) -> tuple[Any, bool]:
+        tenant = tenants.require_tenant(session, args.name)
+        before = audit.snapshot(tenant)
+        tenants.update_tenant(
+            session, CLI_ACTOR, tenant, display_name=args.display_name, status=args.status,
+            quotas=quotas or None, weight=args.weight, max_priority=args.max_priority,
+        )  # fmt: skip
+        return tenant, audit.snapshot(tenant) != before
+
+    tenant, changed = db.call(update)
+    verb = "updated" if changed else "unchanged:"
+    print(f"{verb} tenant {tenant.name} ({_quota_text(tenant)})", file=out)
+    if args.weight is not None and changed:
+        print("loraplex: a running server applies the new weight within "
+              f"{tenants.WEIGHT_REFRESH_S:g} s", file=err)  # fmt: skip
 
 
 def _limit(value: int | None) -> str:
@@ -262,7 +329,8 @@ def _quota_text(tenant: Any) -> str:
     return (
         f"rpm {_limit(tenant.requests_per_minute)}, tpm {_limit(tenant.tokens_per_minute)}, "
         f"concurrent {_limit(tenant.max_concurrent_requests)}, "
-        f"adapters {_limit(tenant.max_adapters)}; - = unlimited"
+        f"adapters {_limit(tenant.max_adapters)}; - = unlimited; weight {tenant.weight:g}, "
+        f"max priority {tenant.max_priority}"
     )
 
 
@@ -289,6 +357,8 @@ def _tenant_list(
                 _limit(t.tokens_per_minute),
                 _limit(t.max_concurrent_requests),
                 _limit(t.max_adapters),
+                f"{t.weight:g}",
+                str(t.max_priority),
                 str(len(tenants.list_keys(session, t))),
                 _day(t.created_at),
                 t.display_name,
@@ -307,6 +377,8 @@ def _tenant_list(
         "TPM",
         "CONCURRENT",
         "ADAPTERS",
+        "WEIGHT",
+        "MAX_PRIO",
         "KEYS",
         "CREATED",
         "DISPLAY",

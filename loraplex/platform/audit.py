@@ -33,6 +33,8 @@ _SNAPSHOT_FIELDS: dict[type[Any], tuple[str, ...]] = {
         "tokens_per_minute",
         "max_concurrent_requests",
         "max_adapters",
+        "weight",
+        "max_priority",
     ),
     ApiKey: ("name", "public_id", "last4", "scopes", "expires_at", "revoked_at"),
     Adapter: ("name", "description"),

@@ -36,6 +36,7 @@ class Caller:
     tenant_id: str | None = None  # set exactly for tenant callers
     key_id: str | None = None  # public part of the key used, for usage rows and audit
     cache_salt: str = ""  # joins the prefix-cache keys: tenants never share KV blocks
+    max_priority: int | None = None  # the most urgent request priority allowed; None: any
 
     @property
     def kind(self) -> CallerKind:

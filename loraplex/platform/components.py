@@ -58,7 +58,7 @@ class Tenancy:
             quotas=quotas,
             usage=UsageRecorder(store.db),
             registry=registry,
-            tenants=TenantService(store.db, quotas, registry),
+            tenants=TenantService(store.db, quotas, registry, client),
             authenticator=TenantAuthenticator(store.db, AdminCredential(store.settings)),
         )
 
@@ -132,26 +132,29 @@ class Platform:
         and stop it afterwards, flushing the usage rows still buffered."""
         if own_client:
             await self.client.start()
-        retention: asyncio.Task[None] | None = None
+        background: list[asyncio.Task[None]] = []
         try:
             try:  # before the first request: loading it (transformers, torch) holds the GIL
                 await self.serving.tokenizer()
             except Exception as exc:  # the first request that needs it reports the problem
                 logger.warning("the base model's tokenizer could not be loaded yet: %s", exc)
             if self.tenancy is not None:
-                retention = asyncio.create_task(
-                    retention_loop(
-                        self.tenancy.store.db,
-                        self.tenancy.store.settings.usage_retention_days,
-                        RETENTION_INTERVAL_S,
-                    ),
-                    name="usage-retention",
+                tenants = self.tenancy.tenants
+                await tenants.push_weights()  # the scheduler's tenant shares
+                retention = retention_loop(
+                    self.tenancy.store.db,
+                    self.tenancy.store.settings.usage_retention_days,
+                    RETENTION_INTERVAL_S,
                 )
+                background = [
+                    asyncio.create_task(retention, name="usage-retention"),
+                    asyncio.create_task(tenants.refresh_weights_forever(), name="tenant-weights"),
+                ]
             yield
         finally:
-            if retention is not None:
-                retention.cancel()
-                await asyncio.gather(retention, return_exceptions=True)
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
             if self.tenancy is not None:
                 await self.tenancy.usage.close()
             if own_client:

@@ -8,7 +8,8 @@ Two sources:
   first output of each engine request);
 * **engine** metrics, read from ``EngineClient.stats()`` at scrape time (within
   ``stats_timeout``): running and waiting requests, KV cache usage, prefix-cache queries and hits,
-  preemptions, adapter loads, evictions and residency per tier. When the engine does not answer,
+  preemptions, adapter loads, evictions and residency per tier, and per tenant what the
+  scheduler gave it (``tenant_metrics.py``). When the engine does not answer,
   the scrape still succeeds: ``loraplex_engine_healthy 0``, the engine's gauges left out, its
   counters at their last known totals.
 
@@ -37,7 +38,9 @@ from prometheus_client.exposition import generate_latest
 
 from loraplex.engine.client import EngineClient, EngineStats
 from loraplex.platform.engine_state import EngineNotAnswering, read_engine_stats
+from loraplex.platform.engine_totals import MonotonicTotals
 from loraplex.platform.request_log import RequestRecord
+from loraplex.platform.tenant_metrics import TenantCollector
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +109,8 @@ class PlatformMetrics:
         )
         self.engine = EngineCollector()
         self.registry.register(self.engine)
+        self.tenants = TenantCollector()
+        self.registry.register(self.tenants)
         self._scrape_lock = asyncio.Lock()  # snapshots reach the collector in order
 
     def observe(self, record: RequestRecord) -> None:
@@ -139,6 +144,7 @@ class PlatformMetrics:
                 except EngineNotAnswering as exc:  # what loraplex_engine_healthy reports
                     logger.warning("metrics: no engine stats: %s", exc.reason)
             self.engine.update(stats)
+            self.tenants.update(stats)
             return generate_latest(self.registry)
 
 
@@ -211,34 +217,6 @@ def engine_value(stats: EngineStats, key: str) -> float | None:
     return float(getattr(stats, key))
 
 
-class MonotonicTotals:
-    """Engine totals made monotonic across engine restarts: ``total = value + offset``, the
-    offset growing by the last value seen before each reset."""
-
-    def __init__(self, keys: Iterable[str]) -> None:
-        self.keys = tuple(keys)
-        self._last: dict[str, float] = {}
-        self._offset: dict[str, float] = {}
-        self._restarts: int | None = None
-
-    def update(self, stats: EngineStats) -> None:
-        restarts = stats.engine_restarts
-        restarted = self._restarts is not None and restarts != self._restarts
-        self._restarts = restarts
-        for key in self.keys:
-            value = engine_value(stats, key)
-            if value is None:
-                continue
-            last = self._last.get(key)
-            if last is not None and (restarted or value < last):
-                self._offset[key] = self._offset.get(key, 0.0) + last
-            self._last[key] = value
-
-    def total(self, key: str) -> float | None:
-        last = self._last.get(key)
-        return None if last is None else last + self._offset.get(key, 0.0)
-
-
 class EngineCollector:
     """A prometheus collector over the latest ``stats()`` snapshot (``update`` before each
     collection; ``None``: the engine did not answer)."""
@@ -247,13 +225,15 @@ class EngineCollector:
         self.healthy = False
         self._stats: EngineStats | None = None
         self._restarts: int | None = None  # kept by the client: monotonic already
-        self.totals = MonotonicTotals(c.key for c in ENGINE_COUNTERS)
+        self.totals: MonotonicTotals[str] = MonotonicTotals()
 
     def update(self, stats: EngineStats | None) -> None:
         self.healthy = stats is not None
         self._stats = stats
         if stats is not None:
-            self.totals.update(stats)
+            values = {c.key: engine_value(stats, c.key) for c in ENGINE_COUNTERS}
+            kept = {k: v for k, v in values.items() if v is not None}
+            self.totals.update(kept, stats.engine_restarts)
             self._restarts = stats.engine_restarts
 
     def describe(self) -> Iterable[Metric]:

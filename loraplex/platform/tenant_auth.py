@@ -132,4 +132,5 @@ class TenantAuthenticator:
             tenant_id=str(tenant.id),
             key_id=key.public_id,
             cache_salt=tenant.cache_salt,
+            max_priority=tenant.max_priority,
         )

@@ -2,12 +2,14 @@
 
 Shared by the admin API, the admin UI and the ``loraplex admin`` CLI. Each function works inside
 the caller's session (one transaction) and writes its audit event there; ``TenantService`` adds
-what a change means for the running server (quotas, adapter files). Bad input raises ``APIError`` with a
-message that says what to change; the CLI prints the same message.
+what a change means for the running server (quotas, adapter files, the engine's scheduling
+weights). Bad input raises ``APIError`` with a message that says what to change; the CLI prints
+the same message.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import logging
 import re
@@ -19,6 +21,8 @@ from typing import TYPE_CHECKING
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
+from loraplex.config import PRIORITY_RANGE
+from loraplex.engine.client import EngineDeadError
 from loraplex.platform import audit
 from loraplex.platform.auth import SCOPE_ADAPTERS_WRITE, SCOPE_INFERENCE
 from loraplex.platform.db.models import ApiKey, Tenant, utcnow
@@ -27,6 +31,7 @@ from loraplex.platform.errors import NOT_FOUND, APIError
 from loraplex.platform.keys import NewKey, generate_key
 
 if TYPE_CHECKING:
+    from loraplex.engine.client import EngineClient
     from loraplex.platform.db.database import Database
     from loraplex.platform.quotas import QuotaManager
     from loraplex.platform.registry.service import Registry
@@ -42,6 +47,53 @@ QUOTA_FIELDS = (
     "max_concurrent_requests",
     "max_adapters",
 )
+
+
+TENANT_STATUSES = ("active", "suspended")
+MAX_WEIGHT = 1000.0
+# A running server re-reads the weights this often (the admin API pushes its changes at once;
+# this picks up the CLI's, made on the database directly).
+WEIGHT_REFRESH_S = 10.0
+
+
+@dataclass(frozen=True)
+class Scheduling:
+    """How the engine schedules a tenant: ``weight``, its share when backlogged (fair
+    policy; 1 = an equal share), and ``max_priority``, the most urgent (lowest) request
+    priority it may ask for (0: none ahead of the default)."""
+
+    weight: float = 1.0
+    max_priority: int = 0
+
+
+def check_weight(value: object) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 < value <= MAX_WEIGHT
+        or value != value
+    ):
+        raise APIError(
+            400,
+            f"weight must be a number above 0 and at most {MAX_WEIGHT:g} (1 = an equal share "
+            f"of the engine); got {str(value)[:40]}.",
+            param="weight",
+            code="invalid_weight",
+        )
+    return float(value)
+
+
+def check_priority(value: object, param: str = "max_priority") -> int:
+    low, high = PRIORITY_RANGE
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise APIError(
+            400,
+            f"{param} must be a whole number from {low} to {high} (lower runs earlier); got "
+            f"{str(value)[:40]}.",
+            param=param,
+            code="invalid_priority",
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -127,6 +179,7 @@ def create_tenant(
     *,
     display_name: str = "",
     quotas: Quotas = Quotas(),
+    scheduling: Scheduling = Scheduling(),
 ) -> Tenant:
     check_tenant_name(name)
     if get_tenant(session, name) is not None:
@@ -141,6 +194,8 @@ def create_tenant(
         display_name=display_name[:200],
         status="active",
         cache_salt=secrets.token_hex(16),
+        weight=check_weight(scheduling.weight),
+        max_priority=check_priority(scheduling.max_priority),
         **{f: check_quota(f, getattr(quotas, f)) for f in QUOTA_FIELDS},
     )
     session.add(tenant)
@@ -160,13 +215,19 @@ def update_tenant(
     display_name: str | None = None,
     status: str | None = None,
     quotas: dict[str, int | None] | None = None,
+    weight: float | None = None,
+    max_priority: int | None = None,
 ) -> Tenant:
     """Change the given fields; ``quotas`` maps quota field names to a limit or None."""
     before = audit.snapshot(tenant)
+    if weight is not None:
+        tenant.weight = check_weight(weight)
+    if max_priority is not None:
+        tenant.max_priority = check_priority(max_priority)
     if display_name is not None:
         tenant.display_name = display_name[:200]
     if status is not None:
-        if status not in ("active", "suspended"):
+        if status not in TENANT_STATUSES:
             raise APIError(
                 400, "status is 'active' or 'suspended'.", param="status", code="invalid_status"
             )
@@ -295,10 +356,14 @@ class TenantService:
     the tenant's quota state goes and its adapters' files and engine copies with it (the
     registry's collection). The admin API and the admin UI call these, never the effects."""
 
-    def __init__(self, db: Database, quotas: QuotaManager, registry: Registry) -> None:
+    def __init__(
+        self, db: Database, quotas: QuotaManager, registry: Registry, client: EngineClient
+    ) -> None:
         self.db = db
         self.quotas = quotas
         self.registry = registry
+        self.client = client  # the engine, told each tenant's scheduling weight
+        self._pushed: dict[str, float] | None = None  # the weights the engine was last sent
 
     async def update(
         self,
@@ -308,18 +373,64 @@ class TenantService:
         display_name: str | None = None,
         status: str | None = None,
         quotas: dict[str, int | None] | None = None,
+        weight: float | None = None,
+        max_priority: int | None = None,
     ) -> TenantChange:
         def work(session: Session) -> TenantChange:
             tenant = require_tenant(session, name)
             before = audit.snapshot(tenant)
             update_tenant(
-                session, actor, tenant, display_name=display_name, status=status, quotas=quotas
-            )
+                session, actor, tenant, display_name=display_name, status=status, quotas=quotas,
+                weight=weight, max_priority=max_priority,
+            )  # fmt: skip
             return TenantChange(tenant, audit.snapshot(tenant) != before)
 
         change = await self.db.run(work)
         self.quotas.invalidate(change.tenant.id)
+        if weight is not None:
+            await self.push_weights()
         return change
+
+    async def create(
+        self,
+        actor: str,
+        name: str,
+        *,
+        display_name: str = "",
+        quotas: Quotas = Quotas(),
+        scheduling: Scheduling = Scheduling(),
+    ) -> Tenant:
+        tenant = await self.db.run(
+            lambda s: create_tenant(
+                s, actor, name, display_name=display_name, quotas=quotas, scheduling=scheduling
+            )
+        )
+        if scheduling.weight != Scheduling().weight:
+            await self.push_weights()
+        return tenant
+
+    async def push_weights(self, *, only_changed: bool = False) -> None:
+        """Tell the engine every tenant's weight: it applies them from its next step. A dead
+        engine gets them when it comes back (the client re-sends the last ones)."""
+        weights = await self.db.run(tenant_weights)
+        if only_changed and weights == self._pushed:
+            return
+        try:
+            await self.client.set_tenant_weights(weights)
+        except EngineDeadError:
+            logger.warning("the engine is down; it gets the tenants' weights when it restarts")
+            return
+        self._pushed = weights
+
+    async def refresh_weights_forever(self, interval_s: float = WEIGHT_REFRESH_S) -> None:
+        """Push the weights whenever the database's differ from the engine's (the CLI's
+        changes), every ``interval_s``; runs until cancelled."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.push_weights(only_changed=True)
+            except Exception:  # a database hiccup: the next round tries again
+                logger.exception("refreshing the tenants' scheduling weights failed")
 
     async def delete(self, actor: str, name: str) -> None:
         """The tenant, its keys, adapters and usage rows (its audit events stay)."""
@@ -336,3 +447,16 @@ class TenantService:
             await self.registry.collect_garbage()
         except Exception:
             logger.exception("removing the adapters of deleted tenant %s failed", name)
+
+
+def tenant_weights(session: Session) -> dict[str, float]:
+    """Every tenant's scheduling weight, by the id the engine knows it by (``Caller.tenant_id``)."""
+    return {str(tid): float(w) for tid, w in session.execute(select(Tenant.id, Tenant.weight))}
+
+
+def tenant_names(session: Session, ids: Iterable[str]) -> dict[str, str]:
+    """The names of the tenants with these ids (as the engine knows them: ``str(tenant.id)``);
+    an id of no tenant (a deleted one, ``-`` for the operator) is left out."""
+    wanted = [int(i) for i in ids if i.isascii() and i.isdigit()]
+    rows = session.execute(select(Tenant.id, Tenant.name).where(Tenant.id.in_(wanted)))
+    return {str(tid): name for tid, name in rows}

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from loraplex.argtypes import env_bool
+from loraplex.config import SchedulingPolicy
 from loraplex.engine_args import ENV_PREFIX, add_engine_arguments, from_args
 
 
@@ -32,6 +33,12 @@ def _env_default(flag: str, default: Any, cast: Callable[[str], Any] = str) -> A
             f"{ENV_PREFIX}{flag.lstrip('-').replace('-', '_').upper()}={raw!r} is not a valid "
             f"value for {flag}"
         ) from None
+
+
+# The scheduling policy when --scheduling-policy is not given: with tenants, each backlogged one
+# gets its weight's share (engine/fair_queue.py); one caller alone, first come first served.
+PLATFORM_POLICY: SchedulingPolicy = "fair"
+OFFLINE_POLICY: SchedulingPolicy = "fcfs"
 
 
 def _lora_module(text: str) -> tuple[str, str]:
@@ -85,7 +92,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="NAME=PATH",
         help="adapters to load at start (PEFT directories or archives)",
     )
-    add_engine_arguments(p.add_argument_group("engine"), env=True)
+    add_engine_arguments(
+        p.add_argument_group("engine"),
+        env=True,
+        defaults_shown={
+            "scheduling_policy": f"{PLATFORM_POLICY}; {OFFLINE_POLICY} with --no-platform"
+        },
+    )
     opt("--data-dir", None, help="database and adapter files (default ~/.local/share/loraplex)")
     opt("--database-url", None, help="any SQLAlchemy URL (default: SQLite in --data-dir)")
     p.add_argument(
@@ -123,13 +136,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def apply_default_policy(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with the scheduling policy set when neither the flag nor the environment set
+    it: tenants share the engine fairly, one caller alone is served first come first served."""
+    if args.scheduling_policy is None:
+        args.scheduling_policy = OFFLINE_POLICY if args.no_platform else PLATFORM_POLICY
+    return args
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from loraplex.engine.default_model import resolve_model_dir
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    config = from_args(args, model=args.model)
+    config = from_args(apply_default_policy(args), model=args.model)
     model_dir = resolve_model_dir(args.model)
     return asyncio.run(_serve(args, config, model_dir))
 

@@ -83,11 +83,13 @@ def line_chart(
     fmt: Callable[[float], str],
     x_labels: tuple[str, ...],
     summary: str,
+    y_max: float | None = None,
 ) -> Chart:
-    """A chart of ``series`` (label, css class, values; all the same length) from y = 0."""
+    """A chart of ``series`` (label, css class, values; all the same length) from y = 0 to
+    ``y_max`` (default: a round number above the data)."""
     n = max((len(values) for _, _, values in series), default=0)
     points = [v for _, _, values in series for v in values if v is not None]
-    y_max = nice_ceiling(max(points, default=0.0))
+    y_max = y_max or nice_ceiling(max(points, default=0.0))
     lines = tuple(
         Line(label, css_class, _segments(values, y_max)) for label, css_class, values in series
     )

@@ -70,6 +70,22 @@ class Slot:
     errors: int = 0
     tokens: int = 0
     ttft: LatencyHistogram = field(default_factory=LatencyHistogram)
+    by_tenant: Counter[str] = field(default_factory=Counter)  # tokens per tenant id
+
+
+NO_TENANT = "-"  # the operator's requests (no tenant)
+OTHERS = "_others"  # the tenants past the chart's top ones, together
+
+
+@dataclass(frozen=True)
+class TenantShares:
+    """Each tenant's share of the tokens generated, per point of ``point_s`` seconds over the
+    last hour (oldest first; None where no token was generated, or before the recorder ran).
+    The ``top`` tenants by tokens have a line each; the rest are summed under ``OTHERS``."""
+
+    point_s: float
+    shares: dict[str, list[float | None]]
+    totals: dict[str, int]  # tokens over the hour, by the same keys
 
 
 @dataclass(frozen=True)
@@ -105,9 +121,11 @@ class LiveRecorder:
     def _index(self) -> int:
         return math.floor(self._clock() / self.slot_s)
 
-    def observe(self, ttft_s: float | None, tokens: int, *, ok: bool = True) -> None:
-        """Count one finished request: its time to first token (None: no token came) and the
-        tokens it generated."""
+    def observe(
+        self, ttft_s: float | None, tokens: int, *, ok: bool = True, tenant: str | None = None
+    ) -> None:
+        """Count one finished request: its time to first token (None: no token came), the
+        tokens it generated and its tenant's id (None: the operator's)."""
         now = self._index()
         with self._lock:
             slot = self._data.get(now)
@@ -118,6 +136,7 @@ class LiveRecorder:
             slot.requests += 1
             slot.errors += 0 if ok else 1
             slot.tokens += max(0, tokens)
+            slot.by_tenant[tenant or NO_TENANT] += max(0, tokens)
             if ttft_s is not None and ttft_s >= 0:
                 slot.ttft.add(ttft_s)
 
@@ -129,7 +148,8 @@ class LiveRecorder:
         if record.first_token_time is not None:
             ttft = max(0.0, record.first_token_time - record.start)
         status = record.stream_error_status or record.status or 500
-        self.observe(ttft, record.completion_tokens, ok=status < 400 or status == 499)
+        ok = status < 400 or status == 499
+        self.observe(ttft, record.completion_tokens, ok=ok, tenant=record.tenant_id)
 
     def recent_tokens_per_s(self, seconds: float = 60.0) -> float:
         """Generated tokens per second over the last ``seconds`` (finished requests only)."""
@@ -182,6 +202,39 @@ class LiveRecorder:
             ttft_p50_all_s=everything.quantile(0.5),
             ttft_p99_all_s=everything.quantile(0.99),
         )
+
+    def tenant_shares(self, *, group: int = 6, top: int = 5) -> TenantShares:
+        """Shares over the last hour, ``group`` slots to a point (6: one point a minute)."""
+        now = self._index()
+        first = now - self.slots + 1
+        points: list[Counter[str] | None] = []
+        totals: Counter[str] = Counter()
+        with self._lock:
+            for start in range(first, now + 1, group):
+                if start + group - 1 < self._first:
+                    points.append(None)  # the recorder was not running yet
+                    continue
+                point: Counter[str] = Counter()
+                for i in range(start, min(start + group, now + 1)):
+                    if i in self._data:
+                        point.update(self._data[i].by_tenant)
+                points.append(point)
+                totals.update(point)
+        kept = [t for t, _ in totals.most_common(top)]
+        keys = kept + ([OTHERS] if len(totals) > top else [])
+        shares: dict[str, list[float | None]] = {k: [] for k in keys}
+        for got in points:
+            whole = sum(got.values()) if got else 0
+            for key in keys:
+                if got is None or whole == 0:
+                    shares[key].append(None)
+                    continue
+                n = got[key] if key != OTHERS else whole - sum(got[t] for t in kept)
+                shares[key].append(n / whole)
+        summed = {k: totals[k] for k in kept}
+        if OTHERS in keys:
+            summed[OTHERS] = sum(totals.values()) - sum(summed.values())
+        return TenantShares(point_s=self.slot_s * group, shares=shares, totals=summed)
 
 
 class CounterRate:

@@ -1,13 +1,16 @@
 """The Overview page: the engine now (refreshed by ``static/admin.js`` from ``overview.json``)
-and the last hour as two server-drawn charts (refreshed from ``overview/charts``)."""
+and the last hour as server-drawn charts (refreshed from ``overview/charts``): throughput, time
+to first token, and each tenant's share of the tokens generated."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
+from loraplex.platform.tenants import tenant_names
 from loraplex.webui.charts import Chart, line_chart
 from loraplex.webui.context import (
     NavItem,
@@ -17,12 +20,54 @@ from loraplex.webui.context import (
     secure_headers,
     webui_of,
 )
-from loraplex.webui.live import Window, format_rate, format_seconds
+from loraplex.webui.live import (
+    NO_TENANT,
+    OTHERS,
+    TenantShares,
+    Window,
+    format_rate,
+    format_seconds,
+)
 
 NAV = NavItem("Overview", "/admin")
 X_LABELS = ("60 min ago", "45", "30", "15", "now")
 
 router = APIRouter(include_in_schema=False)
+
+
+SHARE_CLASSES = ("series-a", "series-b", "series-c", "series-d", "series-e")
+
+
+def share_chart(shares: TenantShares, names: dict[str, str]) -> Chart:
+    """Each tenant's share of the tokens generated, a point a minute (the top five by tokens;
+    the others together as one dashed line)."""
+    lines = []
+    for n, (key, values) in enumerate(shares.shares.items()):
+        css = "series-f" if key == OTHERS else SHARE_CLASSES[n % len(SHARE_CLASSES)]
+        lines.append((_tenant_label(key, names), css, values))
+    whole = sum(shares.totals.values())
+    parts = [
+        f"{_tenant_label(k, names)} {n / whole:.0%}" for k, n in shares.totals.items() if whole
+    ]
+    summary = (
+        f"Last hour: {', '.join(parts)} of {whole:,} tokens; one point per {shares.point_s:g} s."
+        if parts
+        else "Last hour: no tokens generated."
+    )
+    return line_chart("Share of generated tokens by tenant", lines, fmt=_percent,
+                      x_labels=X_LABELS, summary=summary, y_max=1.0)  # fmt: skip
+
+
+def _tenant_label(key: str, names: dict[str, str]) -> str:
+    if key == OTHERS:
+        return "other tenants"
+    if key == NO_TENANT:
+        return "operator"
+    return names.get(key, f"deleted tenant {key}")
+
+
+def _percent(value: float) -> str:
+    return f"{value:.0%}"
 
 
 def charts(window: Window) -> list[Chart]:
@@ -53,12 +98,16 @@ def charts(window: Window) -> list[Chart]:
     return [throughput, latency]
 
 
+async def _charts(request: Request) -> list[Chart]:
+    webui = webui_of(request)
+    shares = webui.recorder.tenant_shares()
+    names = await webui.store.db.run(partial(tenant_names, ids=list(shares.totals)))
+    return [*charts(webui.recorder.window()), share_chart(shares, names)]
+
+
 async def _state(request: Request) -> dict[str, Any]:
     webui = webui_of(request)
-    return {
-        "engine": await webui.monitor.read(),
-        "charts": charts(webui.recorder.window()),
-    }
+    return {"engine": await webui.monitor.read(), "charts": await _charts(request)}
 
 
 @router.get("/admin")
@@ -76,5 +125,4 @@ async def overview_json(request: Request, admin: Polling) -> Response:
 @router.get("/admin/overview/charts")
 async def overview_charts(request: Request, admin: Polling) -> Response:
     """The charts as an HTML fragment, which the page's script swaps in."""
-    window = webui_of(request).recorder.window()
-    return render(request, "_charts.html", charts=charts(window))  # no admin: flashes stay
+    return render(request, "_charts.html", charts=await _charts(request))  # no admin: flashes stay

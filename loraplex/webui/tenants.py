@@ -1,9 +1,10 @@
-"""The Tenants pages: the list (search, server-side pages), create, a tenant's page (quotas, keys,
-adapters, usage), edit quotas, suspend/resume, delete (after a confirmation form).
+"""The Tenants pages: the list (search, server-side pages), create, a tenant's page (quotas,
+scheduling, keys, adapters, usage), edit quotas and scheduling, suspend/resume, delete (after a confirmation form).
 
-Every change goes through ``loraplex.platform.tenants`` (which writes the audit event in the same
-transaction) with the actor ``admin (web)``; afterwards the quota manager re-reads the tenant's
-limits, and a deleted tenant's adapter files go through the registry, as the admin API does.
+Every change goes through ``TenantService`` (whose functions write the audit event in the same
+transaction) with the actor ``admin (web)``; it has the quota manager re-read the tenant's
+limits, tells the engine a new weight, and takes a deleted tenant's adapter files through the
+registry, as for the admin API.
 
 Routes (``-`` can never be a tenant name, so ``/admin/tenants/-/new`` never shadows a tenant)::
 
@@ -46,6 +47,7 @@ from loraplex.webui.context import (
 from loraplex.webui.keys import key_rows
 from loraplex.webui.views import (
     QUOTA_LABELS,
+    SCHEDULING_LABELS,
     WEB_ACTOR,
     FormErrors,
     Pager,
@@ -56,6 +58,7 @@ from loraplex.webui.views import (
     not_found,
     page_number,
     parse_quotas,
+    parse_scheduling,
 )
 
 logger = logging.getLogger(__name__)
@@ -93,18 +96,28 @@ def _quotas(tenant: Tenant) -> list[tuple[str, str]]:
     return [(label, fmt_limit(getattr(tenant, f))) for f, label in QUOTA_LABELS.items()]
 
 
+def _scheduling(tenant: Tenant) -> list[tuple[str, str]]:
+    return [
+        (SCHEDULING_LABELS["weight"], f"{tenant.weight:g}"),
+        (SCHEDULING_LABELS["max_priority"], str(tenant.max_priority)),
+    ]
+
+
 def _form_values(tenant: Tenant | None) -> dict[str, str]:
     if tenant is None:
-        return {"name": "", "display_name": "", **dict.fromkeys(QUOTA_LABELS, "")}
+        blank = {"name": "", "display_name": "", **dict.fromkeys(QUOTA_LABELS, "")}
+        return blank | {"weight": "1", "max_priority": "0"}
     values = {"name": tenant.name, "display_name": tenant.display_name}
     for field in QUOTA_LABELS:
         limit = getattr(tenant, field)
         values[field] = "" if limit is None else str(limit)
+    values["weight"] = f"{tenant.weight:g}"
+    values["max_priority"] = str(tenant.max_priority)
     return values
 
 
 def _submitted(admin: Admin) -> dict[str, str]:
-    names = ("name", "display_name", *QUOTA_LABELS)
+    names = ("name", "display_name", *QUOTA_LABELS, *SCHEDULING_LABELS)
     return {name: admin.field(name).strip() for name in names}
 
 
@@ -193,6 +206,7 @@ def _form_page(
         values=values,
         errors=errors or FormErrors(),
         quota_labels=QUOTA_LABELS,
+        scheduling_labels=SCHEDULING_LABELS,
         tenant_name=tenant_name,
     )
 
@@ -207,19 +221,19 @@ async def create_tenant(request: Request, admin: FormPost) -> Response:
     values = _submitted(admin)
     errors = _check_display_name(values)
     quotas = parse_quotas(values, errors)
+    weight, max_priority = parse_scheduling(values, errors)
     if not errors:
-
-        def create(session: Session) -> None:
-            service.create_tenant(
-                session,
+        try:
+            await _tenants(request).create(
                 WEB_ACTOR,
                 values["name"],
                 display_name=values["display_name"],
                 quotas=service.Quotas(**quotas),
+                scheduling=service.Scheduling(
+                    service.Scheduling.weight if weight is None else weight,
+                    service.Scheduling.max_priority if max_priority is None else max_priority,
+                ),
             )
-
-        try:
-            await webui_of(request).store.db.run(create)
         except APIError as error:
             errors.add_api_error(error, "name")
             return _form_page(request, admin, mode="create", values=values, errors=errors,
@@ -310,6 +324,7 @@ async def tenant_page(request: Request, name: str, admin: SignedIn) -> Response:
             "status": tenant.status,
             "created": fmt_time(tenant.created_at),
             "quotas": _quotas(tenant),
+            "scheduling": _scheduling(tenant),
             "keys": key_rows(
                 [(k, tenant.name) for k in service.list_keys(session, tenant)][::-1], now
             ),
@@ -347,14 +362,16 @@ async def save_tenant(request: Request, name: str, admin: FormPost) -> Response:
     values["name"] = name
     errors = _check_display_name(values)
     quotas = parse_quotas(values, errors)
+    weight, max_priority = parse_scheduling(values, errors)
     if errors:
         return _form_page(request, admin, mode="edit", values=values, errors=errors, status=400,
                           tenant_name=name)  # fmt: skip
 
     try:
         change = await _tenants(request).update(
-            WEB_ACTOR, name, display_name=values["display_name"], quotas=quotas
-        )
+            WEB_ACTOR, name, display_name=values["display_name"], quotas=quotas, weight=weight,
+            max_priority=max_priority,
+        )  # fmt: skip
     except APIError as error:
         if error.code == "tenant_not_found":
             raise _missing(name) from None

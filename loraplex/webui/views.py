@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
+from loraplex.config import PRIORITY_RANGE
 from loraplex.platform.errors import APIError
+from loraplex.platform.tenants import MAX_WEIGHT
 from loraplex.webui.context import Refused
 
 WEB_ACTOR = "admin (web)"  # the audit log's actor for changes made in the admin UI
@@ -146,6 +148,41 @@ def parse_quotas(fields: dict[str, str], errors: FormErrors) -> dict[str, int | 
             errors[name] = error
         out[name] = value
     return out
+
+
+SCHEDULING_LABELS: dict[str, str] = {"weight": "Weight", "max_priority": "Most urgent priority"}
+MAX_NUMBER_TEXT = 20  # characters of a weight or a priority a form may hold
+
+
+def parse_scheduling(fields: dict[str, str], errors: FormErrors) -> tuple[float | None, int | None]:
+    """A form's weight and most urgent priority (None where left blank); errors by field."""
+    weight: float | None = None
+    priority: int | None = None
+    text = fields.get("weight", "").strip()[: MAX_NUMBER_TEXT + 1]
+    if text:
+        try:
+            weight = float(text) if len(text) <= MAX_NUMBER_TEXT and text.isascii() else -1.0
+        except ValueError:
+            weight = -1.0
+        if not 0 < weight <= MAX_WEIGHT:  # also nan and inf
+            weight = None
+            errors["weight"] = (
+                f"Weight: enter a number above 0 and at most {MAX_WEIGHT:,.0f} (1 is an equal "
+                "share; 2 gets twice the share of a tenant of weight 1 when both wait)."
+            )
+    text = fields.get("max_priority", "").strip()
+    if text:
+        low, high = PRIORITY_RANGE
+        sign, digits = (-1, text[1:]) if text.startswith("-") else (1, text)
+        number = whole_number(digits, len(str(high)))
+        if number is None or not low <= sign * number <= high:
+            errors["max_priority"] = (
+                f"Most urgent priority: enter a whole number from {low} to {high} (lower runs "
+                "earlier; 0 lets the tenant send no priority ahead of the default)."
+            )
+        else:
+            priority = sign * number
+    return weight, priority
 
 
 def page_number(text: str | None) -> int:

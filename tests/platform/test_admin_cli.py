@@ -52,10 +52,10 @@ def test_schema_tenants_keys_and_token_from_the_shell(
     assert code == 1 and "loraplex db upgrade" in one_error_line(err)
 
     code, out, _ = cli(capsys, "db", "upgrade", *url)
-    assert code == 0 and "from empty to 0001" in out
-    assert migrate.current(empty_database_url) == "0001"
+    assert code == 0 and "from empty to 0002" in out
+    assert migrate.current(empty_database_url) == "0002"
     code, out, _ = cli(capsys, "db", "current", *url)
-    assert out.startswith("0001 (up to date)")
+    assert out.startswith("0002 (up to date)")
 
     code, out, _ = cli(
         capsys, "admin", "tenant", "create", "acme", "--display-name", "Acme Corp",
@@ -64,7 +64,10 @@ def test_schema_tenants_keys_and_token_from_the_shell(
     assert code == 0 and "created tenant acme" in out
     code, out, _ = cli(capsys, "admin", "tenant", "list", *url)
     assert code == 0
-    assert out.splitlines()[1].split()[:7] == ["acme", "active", "60", "5000", "4", "3", "0"]
+    # name, status, rpm, tpm, concurrent, adapters, weight, max priority, keys
+    assert out.splitlines()[1].split()[:9] == [
+        "acme", "active", "60", "5000", "4", "3", "1", "0", "0"
+    ]  # fmt: skip
 
     code, out, err = cli(
         capsys, "admin", "key", "create", "acme", "--name", "ci", "--scopes", "inference",
@@ -248,3 +251,46 @@ def test_the_commands_never_import_torch(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "RESULT [0, 0, 0, 0, 0, 0] []" in result.stderr, result.stderr
+
+
+def test_tenant_scheduling_and_limits_from_the_shell(
+    capsys: pytest.CaptureFixture[str], empty_database_url: str
+) -> None:
+    url = ("--database-url", empty_database_url)
+    assert cli(capsys, "db", "upgrade", *url)[0] == 0
+    code, out, _ = cli(capsys, "admin", "tenant", "create", "acme", "--weight", "2.5",
+                       "--max-priority", "-3", "--rpm", "60", *url)  # fmt: skip
+    assert code == 0 and "weight 2.5, max priority -3" in out
+
+    code, out, err = cli(capsys, "admin", "tenant", "update", "acme", "--weight", "3",
+                         "--rpm", "none", "--tpm", "900", *url)  # fmt: skip
+    assert code == 0 and out.startswith("updated tenant acme"), out
+    assert "rpm -, tpm 900" in out and "weight 3," in out and "max priority -3" in out
+    assert "applies the new weight within" in err
+    code, out, _ = cli(capsys, "admin", "tenant", "update", "acme", "--weight", "3", *url)
+    assert code == 0 and out.startswith("unchanged: tenant acme")
+    code, out, _ = cli(capsys, "admin", "tenant", "list", *url)
+    assert out.splitlines()[1].split()[:8] == ["acme", "active", "-", "900", "-", "-", "3", "-3"]
+
+    for args, needle in (
+        (("--weight", "0"), "must be more than 0"),
+        (("--weight", "abc"), "expected a number"),
+        (("--weight", "5000"), "at most 1000"),
+        (("--max-priority", "-5000"), "from -1000 to 1000"),
+        (("--rpm", "0"), "at least 1"),
+    ):
+        code, _, err = cli(capsys, "admin", "tenant", "update", "acme", *args, *url)
+        assert code != 0 and needle in err, (args, err)
+    code, _, err = cli(capsys, "admin", "tenant", "update", "nobody", "--weight", "2", *url)
+    assert code == 1 and "'loraplex admin tenant list' lists them" in one_error_line(err)
+
+    db = Database(empty_database_url)
+    try:
+        with db.session() as session:
+            tenant = session.scalars(select(Tenant)).one()
+            assert (tenant.weight, tenant.max_priority) == (3.0, -3)
+            assert (tenant.requests_per_minute, tenant.tokens_per_minute) == (None, 900)
+            actions = [e.action for e in session.scalars(select(AuditEvent))]
+            assert actions == ["tenant.create", "tenant.update"]  # the no-op wrote nothing
+    finally:
+        db.dispose()

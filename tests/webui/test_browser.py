@@ -141,7 +141,7 @@ def test_the_pages_work_without_javascript(browser: Any, served: tuple[WebEnv, s
     page.get_by_label("Admin token").fill(ADMIN_TOKEN)
     page.get_by_role("button", name="Sign in").click()
     expect(page.locator('[data-live="running"]')).to_have_text("3")
-    expect(page.locator(".chart svg")).to_have_count(2)
+    expect(page.locator(".chart svg")).to_have_count(3)  # throughput, TTFT, tenant shares
     cookies = {c["name"]: c for c in context.cookies()}
     session = cookies["lpx_admin_session"]
     assert session["httpOnly"] and session["sameSite"] == "Strict" and session["path"] == "/admin"

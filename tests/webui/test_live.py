@@ -10,12 +10,14 @@ import pytest
 from loraplex.platform.request_log import RequestRecord
 from loraplex.webui.charts import line_chart, nice_ceiling
 from loraplex.webui.live import (
+    OTHERS,
     CounterRate,
     EngineMonitor,
     LatencyHistogram,
     LiveRecorder,
     format_seconds,
 )
+from loraplex.webui.overview import share_chart
 from tests.utils.fakes import FakeEngineClient
 
 pytestmark = pytest.mark.anyio
@@ -156,3 +158,42 @@ def test_the_charts_recorder_sees_every_request(tmp_path: Path) -> None:
         assert app.platform.metrics.observe in observers
     finally:
         store.db.dispose()
+
+
+def test_tenant_shares_per_minute_with_the_top_tenants_and_the_rest() -> None:
+    clock = Clock()
+    recorder = LiveRecorder(clock=clock)
+    for minute in range(10):
+        for _ in range(3):
+            recorder.observe(0.1, 30, tenant="1")  # 90 tokens a minute
+        recorder.observe(0.1, 10, tenant="2")  # 10
+        if minute >= 5:
+            recorder.observe(0.1, 100, tenant="3")  # 100, the last five minutes only
+        clock.now += 60
+    recorder.observe(0.1, 5, tenant=None)  # the operator
+    shares = recorder.tenant_shares(top=2)
+    assert shares.point_s == 60 and len(shares.shares["1"]) == 60
+    assert shares.totals == {"1": 900, "3": 500, OTHERS: 105}  # tenant 2 and the operator
+    assert set(shares.shares) == {"1", "3", OTHERS}
+    # A point per minute; before the recorder ran: None, not 0.
+    first = 60 - 11
+    assert all(v is None for v in shares.shares["1"][:first])
+    assert shares.shares["1"][first : first + 5] == [pytest.approx(0.9)] * 5
+    assert shares.shares["3"][first + 5 : first + 10] == [pytest.approx(0.5)] * 5
+    assert shares.shares[OTHERS][first + 5 : first + 10] == [pytest.approx(0.05)] * 5
+    assert shares.shares[OTHERS][-1] == 1.0  # only the operator in the last minute
+    for i in range(first, 60):  # every point sums to one
+        assert sum(shares.shares[k][i] or 0 for k in shares.shares) == pytest.approx(1.0)
+
+    chart = share_chart(shares, {"1": "acme", "3": "globex"})
+    assert [line.label for line in chart.lines] == ["acme", "globex", "other tenants"]
+    assert chart.y_labels == ("100%", "50%", "0")
+    assert "acme 60%, globex 33%, other tenants 7% of 1,505 tokens" in chart.summary
+
+
+def test_the_recorder_takes_the_tenant_from_the_request_record() -> None:
+    recorder = LiveRecorder()
+    record = RequestRecord(method="POST", path="/v1/completions", tenant_id="7")
+    record.generated, record.completion_tokens = True, 12
+    recorder.observe_record(record)
+    assert recorder.tenant_shares().totals == {"7": 12}

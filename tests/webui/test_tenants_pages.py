@@ -363,3 +363,51 @@ async def test_delete_needs_the_name_typed(web: WebEnv) -> None:
     with web.store.db.session() as session:
         assert session.scalar(select(ApiKey.id)) is None
     assert audit_actions(web)[-1] == ("tenant.delete", WEB_ACTOR)
+
+
+async def test_scheduling_fields_create_edit_and_reach_the_engine(web: WebEnv) -> None:
+    async with web.http() as http:
+        await sign_in(http)
+        form = await http.get("/admin/tenants/-/new")
+        assert 'name="weight" type="number" value="1"' in form.text
+        assert 'name="max_priority" type="number" value="0"' in form.text
+        response = await create(http, name="acme", weight="2.5", max_priority="-2")
+        assert response.status_code == 303, response.text
+        page = (await http.get("/admin/tenants/acme")).text
+        assert "<dt>Weight</dt><dd>2.5</dd>" in page
+        assert "<dt>Most urgent priority</dt><dd>-2</dd>" in page
+        row = tenant(web, "acme")
+        assert row is not None and (row.weight, row.max_priority) == (2.5, -2)
+        assert web.fake.tenant_weights == {str(row.id): 2.5}
+
+        response = await post_form(
+            http, "/admin/tenants/acme/edit", "/admin/tenants/acme/edit",
+            {"display_name": "", "weight": "4", "max_priority": "-7"},
+        )  # fmt: skip
+        assert response.status_code == 303, response.text
+        row = tenant(web, "acme")
+        assert row is not None and (row.weight, row.max_priority) == (4.0, -7)
+        assert web.fake.tenant_weights == {str(row.id): 4.0}  # no restart
+
+        # Left blank on the edit form: unchanged.
+        await post_form(http, "/admin/tenants/acme/edit", "/admin/tenants/acme/edit",
+                        {"display_name": "", "weight": "", "max_priority": ""})  # fmt: skip
+        row = tenant(web, "acme")
+        assert row is not None and (row.weight, row.max_priority) == (4.0, -7)
+
+        for fields, field, message in (
+            ({"weight": "0"}, "weight", "above 0 and at most 1,000"),
+            ({"weight": "nan"}, "weight", "above 0"),
+            ({"weight": "1e999"}, "weight", "above 0"),
+            ({"weight": "9" * 30}, "weight", "above 0"),
+            ({"max_priority": "-1001"}, "max_priority", "from -1000 to 1000"),
+            ({"max_priority": "1.5"}, "max_priority", "whole number"),
+            ({"max_priority": "--1"}, "max_priority", "whole number"),
+        ):
+            bad = await post_form(http, "/admin/tenants/acme/edit", "/admin/tenants/acme/edit",
+                                  {"display_name": "", **fields})  # fmt: skip
+            assert bad.status_code == 400, fields
+            help_text = re.search(rf'id="f-{field}-help">([^<]*)</p>', bad.text)
+            assert help_text and message in help_text.group(1), (fields, bad.text[-2000:])
+    row = tenant(web, "acme")
+    assert row is not None and (row.weight, row.max_priority) == (4.0, -7)

@@ -18,7 +18,7 @@ from functools import partial
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Query
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StrictInt
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 from sqlalchemy.orm import Session
 
 from loraplex.platform import audit, tenants, usage
@@ -55,16 +55,24 @@ class QuotasBody(BaseModel):
     max_adapters: StrictInt | None = None
 
 
+_WEIGHT = "share of the engine when backlogged under the fair policy (1 = an equal share)"
+_MAX_PRIORITY = "the most urgent request priority the tenant may send (lower runs earlier)"
+
+
 class TenantCreate(BaseModel):
     name: str = Field(description="a slug: lowercase letters, digits, '-' and '_'")
     display_name: str = Field("", max_length=200)
     quotas: QuotasBody | None = None
+    weight: StrictFloat | StrictInt = Field(1.0, description=_WEIGHT)
+    max_priority: StrictInt = Field(0, description=_MAX_PRIORITY)
 
 
 class TenantUpdate(BaseModel):
     display_name: str | None = Field(None, max_length=200)
     status: Literal["active", "suspended"] | None = None
     quotas: QuotasBody | None = None
+    weight: StrictFloat | StrictInt | None = Field(None, description=_WEIGHT)
+    max_priority: StrictInt | None = Field(None, description=_MAX_PRIORITY)
 
 
 class KeyCreate(BaseModel):
@@ -79,6 +87,8 @@ class TenantView(BaseModel):
     display_name: str
     status: str
     quotas: QuotasBody
+    weight: float
+    max_priority: int
     created_at: dt.datetime
     updated_at: dt.datetime
 
@@ -89,6 +99,8 @@ class TenantView(BaseModel):
             display_name=tenant.display_name,
             status=tenant.status,
             quotas=QuotasBody(**{f: getattr(tenant, f) for f in tenants.QUOTA_FIELDS}),
+            weight=tenant.weight,
+            max_priority=tenant.max_priority,
             created_at=tenant.created_at,
             updated_at=tenant.updated_at,
         )
@@ -187,20 +199,16 @@ async def list_tenants(
 
 
 @router.post("/tenants", response_model=TenantView, status_code=201)
-async def create_tenant(store: StoreDep, body: TenantCreate, caller: Caller = operator) -> Any:
+async def create_tenant(service: TenantsDep, body: TenantCreate, caller: Caller = operator) -> Any:
     quotas = body.quotas or QuotasBody()
-
-    def create(session: Session) -> TenantView:
-        tenant = tenants.create_tenant(
-            session,
-            caller.id,
-            body.name,
-            display_name=body.display_name,
-            quotas=tenants.Quotas(**quotas.model_dump()),
-        )
-        return TenantView.of(tenant)
-
-    return await store.db.run(create)
+    tenant = await service.create(
+        caller.id,
+        body.name,
+        display_name=body.display_name,
+        quotas=tenants.Quotas(**quotas.model_dump()),
+        scheduling=tenants.Scheduling(body.weight, body.max_priority),
+    )
+    return TenantView.of(tenant)
 
 
 @router.get("/tenants/{tenant}", response_model=TenantView)
@@ -213,7 +221,8 @@ async def update_tenant(
     service: TenantsDep, tenant: str, body: TenantUpdate, caller: Caller = operator
 ) -> Any:
     """Change the fields given; ``status`` "suspended" refuses the tenant's keys from their next
-    request, "active" resumes them."""
+    request, "active" resumes them; ``weight`` reaches the engine's scheduler at once, and
+    ``max_priority`` applies from the tenant's next request."""
     changed_quotas = None
     if body.quotas is not None:
         changed_quotas = {f: getattr(body.quotas, f) for f in body.quotas.model_fields_set}
@@ -223,6 +232,8 @@ async def update_tenant(
         display_name=body.display_name,
         status=body.status,
         quotas=changed_quotas,
+        weight=body.weight,
+        max_priority=body.max_priority,
     )
     return TenantView.of(change.tenant)
 
@@ -359,14 +370,18 @@ async def audit_log(
 
 
 @router.get("/engine")
-async def engine_state(client: ClientDep, caller: Caller = operator) -> dict[str, Any]:
+async def engine_state(
+    client: ClientDep, store: StoreDep, caller: Caller = operator
+) -> dict[str, Any]:
     """The engine now: running and waiting requests, KV cache use, prefix-cache hit rate,
-    adapters per tier (device slots, host cache, registered), and the whole snapshot. 503 with
-    the reason when the engine does not answer."""
+    adapters per tier (device slots, host cache, registered), each tenant's share (the fair
+    policy's counter, tokens served, requests, weight; by tenant id, with its name), and the
+    whole snapshot. 503 with the reason when the engine does not answer."""
     try:
         stats = await read_engine_stats(client)
     except EngineNotAnswering as exc:
         raise engine_unavailable(exc.reason) from None
+    names = await store.db.run(partial(tenants.tenant_names, ids=list(stats.tenants)))
     lora = stats.lora
     return {
         "object": "engine",
@@ -383,5 +398,9 @@ async def engine_state(client: ClientDep, caller: Caller = operator) -> dict[str
             "host": lora.resident_host if lora else None,
             "registered": lora.registered if lora else None,
         },
+        "tenants": [
+            {"tenant_id": tid, "name": names.get(tid)} | dataclasses.asdict(share)
+            for tid, share in sorted(stats.tenants.items())
+        ],
         "stats": dataclasses.asdict(stats) | {"prefix_cache_hit_rate": stats.prefix_cache_hit_rate},
     }

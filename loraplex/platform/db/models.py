@@ -33,6 +33,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -98,6 +99,10 @@ class Tenant(Base):
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer, default=None)
     max_concurrent_requests: Mapped[int | None] = mapped_column(Integer, default=None)
     max_adapters: Mapped[int | None] = mapped_column(Integer, default=None)
+    # Scheduling: the tenant's share of the engine when backlogged (fair policy), and the most
+    # urgent request priority it may ask for (lower runs earlier; 0 = no jumping the queue).
+    weight: Mapped[float] = mapped_column(Float, default=1.0, server_default=text("1.0"))
+    max_priority: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
     # Joins every prefix-cache key of this tenant's requests: tenants never share KV blocks.
     cache_salt: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[dt.datetime] = _created()

@@ -25,6 +25,8 @@ from pydantic import (
     model_validator,
 )
 
+from loraplex.config import PRIORITY_RANGE
+
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
 _INT64 = 2**63
@@ -121,6 +123,8 @@ class SamplingFields(_Request):
     ignore_eos: Bool | None = False
     skip_special_tokens: Bool | None = True
     include_stop_str_in_output: Bool | None = False
+    # vLLM's: lower runs earlier (a tenant may not go below its max_priority)
+    priority: Int | None = Field(None, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])
     # extension: add the tokenizer's special tokens (BOS) to the prompt's text; default true
     # for completions, false for chat (the chat template writes them)
     add_special_tokens: Bool | None = None

@@ -124,7 +124,9 @@ class OpenAIServing:
             max_tokens = default_max_tokens(COMPLETIONS_DEFAULT_MAX_TOKENS, prompts, limit)
         params = self._params(body, prompts, "prompt", max_tokens, "max_tokens", body.logprobs)
         headers = await self._admit(request, record, caller, prompts, params)
-        gen = self._open(rid, prompts, params, model, caller, "prompt", tokenizer)
+        gen = self._open(
+            rid, prompts, params, model, caller, "prompt", tokenizer, priority=body.priority or 0
+        )
         created = int(time.time())
         want_lp = body.logprobs is not None
         if body.stream:
@@ -243,7 +245,9 @@ class OpenAIServing:
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, [prompt], "messages", max_tokens, tokens_param, top_n)
         headers = await self._admit(request, record, caller, [prompt], params)
-        gen = self._open(rid, [prompt], params, model, caller, "messages", tokenizer)
+        gen = self._open(
+            rid, [prompt], params, model, caller, "messages", tokenizer, priority=body.priority or 0
+        )
         created = int(time.time())
         if body.stream:
             include_usage = _include_usage(body)
@@ -362,6 +366,7 @@ class OpenAIServing:
         model = await self.resolver.lookup(caller, body.model)
         record.served_model, record.lora_key = model.served_name, model.lora_key
         record.adapter_version_id = model.adapter_version_id
+        check_priority_allowed(body.priority or 0, caller)
         if not self.client.healthy:
             raise engine_unavailable()
         return record, model
@@ -416,6 +421,8 @@ class OpenAIServing:
         caller: Caller,
         prompt_param: str,
         tokenizer: Any,
+        *,
+        priority: int = 0,
     ) -> Generation:
         try:
             return Generation(
@@ -426,7 +433,8 @@ class OpenAIServing:
                 params,
                 lora_key=model.lora_key,
                 cache_extra_keys=model.cache_extra_keys,
-                tenant=caller.tenant_id,  # the engine schedules by tenant (issue 14's policy)
+                tenant=caller.tenant_id,  # the engine's fair policy schedules by tenant
+                priority=priority,
             )
         except AdapterNotLoadedError:  # deleted since it was resolved: as if it never was
             raise model_not_found(model.served_name) from None
@@ -578,6 +586,19 @@ def _chat_choice(
     index: int, delta: dict[str, str], logprobs: dict[str, Any] | None, finish: str | None
 ) -> dict[str, Any]:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+def check_priority_allowed(priority: int, caller: Caller) -> None:
+    """400 when ``priority`` is more urgent (lower) than the caller's tenant may ask for."""
+    limit = caller.max_priority
+    if limit is not None and priority < limit:
+        raise invalid_request(
+            f"priority {priority} is more urgent than this tenant may ask for: its limit "
+            f"(max_priority) is {limit}, and lower runs earlier. Send a priority of {limit} or "
+            "more, or ask the operator to raise the tenant's max_priority.",
+            "priority",
+            "priority_not_allowed",
+        )
 
 
 def adapter_gone() -> APIError:

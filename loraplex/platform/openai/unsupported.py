@@ -133,9 +133,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     ),
     "return_tokens_as_token_ids": Unsupported("writes logprob tokens as token ids", default(False)),
     "return_token_ids": Unsupported("returns token ids with the text", default(False)),
-    "priority": Unsupported(
-        "sets a scheduling priority (this server schedules first come, first served)", default(0)
-    ),
     "lora_request": Unsupported(
         "selects an adapter", instead="name the adapter in the model field"
     ),

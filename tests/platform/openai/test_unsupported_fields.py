@@ -61,7 +61,6 @@ REFUSED: dict[str, Any] = {
     "spaces_between_special_tokens": False,
     "return_tokens_as_token_ids": True,
     "return_token_ids": True,
-    "priority": 1,
     "lora_request": {"lora_name": "x", "lora_int_id": 1, "lora_path": "/x"},
     "cache_salt": "salt",
     "kv_transfer_params": {"do_remote_decode": True},
@@ -86,7 +85,7 @@ NAMED_IN_ISSUE = [
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
     "structured_outputs", "response_format", "tool_choice", "parallel_tool_calls",
     "stream_options", "prompt_logprobs", "logits_processors", "min_tokens", "bad_words",
-    "truncate_prompt_tokens", "best_of", "echo", "suffix", "allowed_token_ids", "priority",
+    "truncate_prompt_tokens", "best_of", "echo", "suffix", "allowed_token_ids",
     "lora_request",
 ]  # fmt: skip
 NAMED_CASES = [
@@ -140,7 +139,6 @@ HARMLESS: list[tuple[str, Any]] = [
     ("stream_options", {"include_usage": False}),
     ("min_tokens", 0),
     ("bad_words", []),
-    ("priority", 0),
     ("length_penalty", 1.0),
     ("length_penalty", 1),
     ("spaces_between_special_tokens", True),
