@@ -11,7 +11,6 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import Request
-from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.platform.auth import SCOPE_INFERENCE, Caller
 from loraplex.platform.settings import ServerSettings
@@ -19,53 +18,23 @@ from loraplex.server import create_app
 from tests.utils.app import API_KEY, add_chat_template, sse_events
 from tests.utils.asgi import drive_until_disconnect
 from tests.utils.fakes import FakeEngineClient
+from tests.utils.metrics import Samples, app_for, http, parse, scrape, value
 
 pytestmark = pytest.mark.anyio
 
 BASE = "tiny-chat"
 METRICS_TOKEN = "metrics-scraper-token-0123456789"
 SECRET_MODEL = "user-typed-secret-model-name"
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def parse(text: str) -> Samples:
-    """Every sample of an exposition: (name, labels) -> value."""
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    """The sum of the samples named ``name`` whose labels include ``labels`` (0 when none)."""
-    want = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
 
 
 def label_values(samples: Samples) -> set[str]:
     return {v for (_, ls) in samples for _, v in ls}
 
 
-def app_for(fake: FakeEngineClient, tokenizer: Any, **settings: Any) -> Any:
-    return create_app(fake, ServerSettings(**settings), tokenizer=tokenizer)
-
-
-def http(app: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-
-
 @pytest.fixture
 async def api(fake: FakeEngineClient, tokenizer: Any) -> AsyncIterator[httpx.AsyncClient]:
     async with http(app_for(fake, tokenizer)) as client:
         yield client
-
-
-async def scrape(client: httpx.AsyncClient, **headers: str) -> Samples:
-    r = await client.get("/metrics", headers=headers)
-    assert r.status_code == 200, r.text
-    assert r.headers["content-type"].startswith("text/plain")
-    return parse(r.text)
 
 
 # ---- platform metrics ------------------------------------------------------------------------

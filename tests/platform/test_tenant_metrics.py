@@ -12,8 +12,8 @@ import pytest
 
 from loraplex.engine.client import NO_TENANT, TenantStats
 from loraplex.platform import tenants
-from tests.platform.test_metrics import app_for, http, scrape, value
 from tests.utils.fakes import FakeEngineClient
+from tests.utils.metrics import app_for, http, scrape, value
 
 pytestmark = pytest.mark.anyio
 
