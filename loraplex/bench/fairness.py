@@ -9,7 +9,8 @@ flood
     against ``--max-num-seqs``; tenant B sends one request every ``b_interval_s`` s
     (``b_max_tokens``). B's time to first token (p99) and the server's output tokens/s.
 shares
-    A and B each keep ``share_streams`` requests open: each one's share of the generated tokens
+    A and B each keep ``share_streams`` requests open (max_tokens uniform around
+    ``share_max_tokens``, so they do not finish in lockstep): each one's share of the generated tokens
     with equal weights, then with A's weight set to ``share_weight`` through the admin API on
     the running server (no restart), after ``settle_s``.
 priority
@@ -67,6 +68,7 @@ class Load:
     keys: dict[str, str]
     rng: random.Random
     records: list[StreamRecord] = dataclasses.field(default_factory=list)
+    tenant_ids: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> engine's id
 
     def prompt(self) -> str:
         return random_text(self.rng, self.rng.randint(20, 60))
@@ -87,11 +89,22 @@ class Load:
         return record
 
     async def closed_loop(
-        self, tenant: str, streams: int, max_tokens: int, stop: asyncio.Event
+        self,
+        tenant: str,
+        streams: int,
+        max_tokens: int,
+        stop: asyncio.Event,
+        *,
+        spread: bool = False,
     ) -> None:
+        """``streams`` requests open until ``stop``; ``spread``: each one's max_tokens drawn
+        from [max_tokens / 2, max_tokens * 3 / 2] (mean ``max_tokens``), so requests do not
+        finish in lockstep."""  # fmt: skip
+
         async def worker() -> None:
             while not stop.is_set():
-                await self.one(tenant, max_tokens)
+                n = self.rng.randint(max(1, max_tokens // 2), max_tokens * 3 // 2)
+                await self.one(tenant, n if spread else max_tokens)
 
         await asyncio.gather(*(worker() for _ in range(streams)))
 
@@ -105,7 +118,28 @@ class Load:
         return list(await asyncio.gather(*tasks))
 
 
-async def _flood(load: Load, opts: FairnessOptions) -> dict[str, Any]:
+def server_means(
+    before: dict[tuple[str, str], tuple[float, float]],
+    after: dict[tuple[str, str], tuple[float, float]],
+    tenant_ids: dict[str, str],
+) -> dict[str, dict[str, float | None]]:
+    """The server's mean time to first token and engine queue time per tenant (by name)
+    between two ``latency_sums`` readings: where the client's TTFT went."""
+    out: dict[str, dict[str, float | None]] = {}
+    for name, tid in tenant_ids.items():
+        means: dict[str, float | None] = {}
+        for family, label in (
+            ("loraplex_time_to_first_token_seconds", "server_ttft_mean_s"),
+            ("loraplex_request_queue_time_seconds", "engine_queue_mean_s"),
+        ):
+            s0, n0 = before.get((family, tid), (0.0, 0.0))
+            s1, n1 = after.get((family, tid), (0.0, 0.0))
+            means[label] = round((s1 - s0) / (n1 - n0), 4) if n1 > n0 else None
+        out[name] = means
+    return out
+
+
+async def _flood(load: Load, platform: Platform, opts: FairnessOptions) -> dict[str, Any]:
     load.records = []
     stop = asyncio.Event()
     t0 = time.monotonic()
@@ -113,15 +147,18 @@ async def _flood(load: Load, opts: FairnessOptions) -> dict[str, Any]:
         load.closed_loop("a", opts.flood_streams, opts.flood_max_tokens, stop)
     )
     await asyncio.sleep(opts.warmup_s)
+    sums = await platform.latency_sums()
     start = time.monotonic()
     b = await load.every("b", opts.b_interval_s, start + opts.flood_s, opts.b_max_tokens)
     end = start + opts.flood_s
+    server = server_means(sums, await platform.latency_sums(), load.tenant_ids)
     stop.set()
     await flood
     tokens = tokens_by_tenant(load.records, start, end)
     return {
         "window_s": round(end - start, 2),
         "b_ttft": ttft_summary(b),
+        "server": server,
         "b_ttft_over_time": [[round(r.sent - t0, 2), round_or_none(r.ttft)] for r in b],
         "output_tokens_per_s": round(sum(tokens.values()) / (end - start), 2),
         "tokens": {t: round(n, 1) for t, n in tokens.items()},
@@ -134,7 +171,9 @@ async def _shares(load: Load, platform: Platform, opts: FairnessOptions) -> dict
     stop = asyncio.Event()
     t0 = time.monotonic()
     both = [
-        asyncio.create_task(load.closed_loop(t, opts.share_streams, opts.share_max_tokens, stop))
+        asyncio.create_task(
+            load.closed_loop(t, opts.share_streams, opts.share_max_tokens, stop, spread=True)
+        )
         for t in ("a", "b")
     ]
     await asyncio.sleep(opts.warmup_s)
@@ -161,7 +200,10 @@ async def _shares(load: Load, platform: Platform, opts: FairnessOptions) -> dict
     }
 
 
-async def _priority(load: Load, opts: FairnessOptions) -> dict[str, Any]:
+async def _priority(load: Load, platform: Platform, opts: FairnessOptions) -> dict[str, Any]:
+    """C's priority -1 requests while A floods. Just before each, the engine says how many of
+    A's requests wait; C was admitted before every one of them when at least that many of A's
+    earlier requests got their first token after C's (first tokens come in admission order)."""
     load.records = []
     stop = asyncio.Event()
     flood = asyncio.create_task(
@@ -169,33 +211,30 @@ async def _priority(load: Load, opts: FairnessOptions) -> dict[str, Any]:
     )
     await asyncio.sleep(opts.warmup_s)
     refused = await load.one("b", opts.b_max_tokens, priority=-1)
-    urgent = []
+    urgent: list[tuple[int, StreamRecord]] = []
     for _ in range(opts.priority_requests):
-        urgent.append(await load.one("c", opts.b_max_tokens, priority=-1))
+        shares = {t["name"]: t for t in (await platform.engine()).get("tenants", ())}
+        waiting = int(shares.get("a", {}).get("num_waiting", 0))
+        urgent.append((waiting, await load.one("c", opts.b_max_tokens, priority=-1)))
         await asyncio.sleep(opts.b_interval_s)
     stop.set()
     await flood
-    trials = []
-    for c in urgent:
-        queued = [
-            r
+    trials: list[dict[str, Any]] = []
+    admitted_first = 0
+    for waiting, c in urgent:
+        overtaken = sum(
+            1
             for r in load.records
-            if r.tenant == "a" and r.sent < c.sent and (r.first is None or r.first > c.sent)
-        ]
-        overtaken = [
-            r for r in queued if r.first is not None and c.first is not None and r.first > c.first
-        ]
-        trials.append(
-            {
-                "ttft_s": round_or_none(c.ttft),
-                "queued_ahead": len(queued),
-                "overtaken": len(overtaken),
-            }
-        )
+            if r.tenant == "a" and r.sent < c.sent and c.first is not None
+            and (r.first is None or r.first > c.first)
+        )  # fmt: skip
+        admitted_first += overtaken >= waiting
+        trials.append({"ttft_s": round_or_none(c.ttft), "a_waiting": waiting,
+                       "a_overtaken": overtaken})  # fmt: skip
     a_ttft = [r.ttft for r in load.records if r.tenant == "a" and r.ttft is not None]
     return {
         "trials": trials,
-        "admitted_before_all_queued": sum(t["overtaken"] == t["queued_ahead"] for t in trials),
+        "admitted_before_all_queued": admitted_first,
         "urgent_ttft_p50_s": round_or_none(percentile([t["ttft_s"] or 0.0 for t in trials], 50)),
         "queued_ttft_p50_s": round_or_none(percentile(a_ttft, 50)),
         "not_allowed": {
@@ -219,9 +258,14 @@ async def _scenarios(server: ServerProcess, opts: FairnessOptions, log: Log) -> 
         models = await http.get("/v1/models", headers={"Authorization": f"Bearer {keys['a']}"})
         model = models.json()["data"][0]["id"]
         load = Load(http, model, keys, random.Random(opts.seed))
-        await load.one("a", 4)  # warm the tenant's path
+        for tenant in keys:  # warm each tenant's path; the engine then knows its id
+            await load.one(tenant, 4)
+        engine = await platform.engine()
+        load.tenant_ids = {
+            t["name"]: t["tenant_id"] for t in engine.get("tenants", ()) if t["name"]
+        }
         log("    flood ...")
-        flood = await _flood(load, opts)
+        flood = await _flood(load, platform, opts)
         log(
             f"    flood: B p99 TTFT {flood['b_ttft']['p99_s']} s, "
             f"{flood['output_tokens_per_s']} output tok/s"
@@ -230,7 +274,7 @@ async def _scenarios(server: ServerProcess, opts: FairnessOptions, log: Log) -> 
         share = await _shares(load, platform, opts)
         log(f"    shares: equal {share['equal']['shares']}, weighted {share['weighted']['shares']}")
         log("    priority ...")
-        prio = await _priority(load, opts)
+        prio = await _priority(load, platform, opts)
         log(
             f"    priority: {prio['admitted_before_all_queued']}/{len(prio['trials'])} admitted "
             f"first; not allowed: {prio['not_allowed']['status']}"

@@ -67,7 +67,7 @@ _HELP = {
     "b_max_tokens": "flood: max_tokens of B's requests",
     "flood_s": "flood: the measured window, seconds",
     "share_streams": "shares: open streams per tenant",
-    "share_max_tokens": "shares: max_tokens per request",
+    "share_max_tokens": "shares: mean max_tokens per request (each from half to 1.5 times it)",
     "share_s": "shares: each measured window (equal weights, then A's weight changed), seconds",
     "share_weight": "shares: A's weight in the second window",
     "settle_s": "shares: seconds after the weight change before its window",

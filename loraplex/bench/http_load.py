@@ -21,6 +21,10 @@ from typing import Any
 
 import httpx
 
+LATENCY_FAMILIES = (
+    "loraplex_time_to_first_token_seconds",  # the API server's: arrival to first token
+    "loraplex_request_queue_time_seconds",  # the engine's waiting queue
+)
 STARTUP_TIMEOUT_S = 300.0  # the first start converts the embedded model (~45 s) and builds kernels
 
 
@@ -115,6 +119,25 @@ class Platform:
 
     async def set_weight(self, name: str, weight: float) -> None:
         await self._call("PATCH", f"/admin/api/tenants/{name}", {"weight": weight})
+
+    async def latency_sums(self) -> dict[tuple[str, str], tuple[float, float]]:
+        """From ``/metrics``: (family, tenant id) -> (sum, count) of the server's time to first
+        token and engine queue time histograms (subtract two readings for a window)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        r = await self.http.get("/metrics", headers=self.headers)
+        if not r.is_success:
+            raise ServerError(f"GET /metrics: {r.status_code} {r.text[:200]}")
+        out: dict[tuple[str, str], list[float]] = {}
+        for family in text_string_to_metric_families(r.text):
+            if family.name not in LATENCY_FAMILIES:
+                continue
+            for sample in family.samples:
+                part = {"_sum": 0, "_count": 1}.get(sample.name.removeprefix(family.name))
+                if part is not None:
+                    key = (family.name, sample.labels.get("tenant", "-"))
+                    out.setdefault(key, [0.0, 0.0])[part] += sample.value
+        return {k: (v[0], v[1]) for k, v in out.items()}
 
     async def engine(self) -> dict[str, Any]:
         r = await self.http.get("/admin/api/engine", headers=self.headers)
