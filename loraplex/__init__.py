@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from loraplex.lora.request import LoRARequest
 from loraplex.outputs import CompletionOutput, RequestOutput
-from loraplex.sampling_params import SamplingParams
+from loraplex.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -29,5 +29,6 @@ __all__ = [
     "LoRARequest",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
 ]

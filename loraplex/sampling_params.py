@@ -2,9 +2,79 @@
 
 from __future__ import annotations
 
+import json as _json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 _MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (shaped like vLLM's): exactly one of ``json``
+    (a JSON schema, as a mapping or its JSON text), ``json_object`` (any JSON object),
+    ``regex``, ``choice`` (one of these strings) or ``grammar`` (a Lark grammar in llguidance's
+    dialect, which may embed JSON schemas with ``%json {...}``).
+
+    ``disable_any_whitespace``: JSON without free whitespace between tokens (compact output)."""
+
+    json: Mapping[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name, value in (
+                ("json", self.json),
+                ("json_object", self.json_object or None),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+            )
+            if value is not None
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "StructuredOutputsParams needs exactly one of json, json_object, regex, choice, "
+                f"grammar; got {', '.join(given) or 'none'}"
+            )
+        if isinstance(self.choice, str):
+            raise ValueError("StructuredOutputsParams.choice must be a list of strings, not one")
+        if self.choice is not None:
+            if not self.choice or any(not isinstance(c, str) for c in self.choice):
+                raise ValueError("StructuredOutputsParams.choice must be non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if isinstance(self.json, str):
+            try:
+                parsed = _json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {e}") from e
+            object.__setattr__(self, "json", parsed)
+        if self.json is not None and not isinstance(self.json, Mapping | bool):
+            raise ValueError("StructuredOutputsParams.json must be a JSON schema (an object)")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "json_object", "regex", "choice" or "grammar"."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    def key(self) -> str:
+        """A canonical text of the constraint: equal constraints, equal keys (the compile
+        cache's key)."""
+        value: Any = getattr(self, self.kind) if self.kind != "json_object" else True
+        if isinstance(value, tuple):
+            value = list(value)
+        return _json.dumps(
+            [self.kind, value, self.disable_any_whitespace], sort_keys=True, separators=(",", ":")
+        )
 
 
 @dataclass(frozen=True)
@@ -25,6 +95,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (0 = only the sampled one)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, default=())
     stop_ids: tuple[int, ...] = field(init=False, default=())
 
@@ -61,6 +132,10 @@ class SamplingParams:
         ids = tuple(self.stop_token_ids or ())
         if any(not isinstance(t, int) or t < 0 for t in ids):
             raise bad("stop_token_ids", "must hold non-negative token ids")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
         object.__setattr__(self, "stop_strings", stops)
         object.__setattr__(self, "stop_ids", ids)
 
