@@ -21,7 +21,13 @@ time spent idle is not banked into a burst later.
 
 Preemption: the KV victim is the running request of the worst priority, then of the tenant
 that received the most service, newest first; for admission, running requests of a strictly
-worse priority than the waiting one, in the same order (as ``PriorityQueue``).
+worse priority than the waiting one, in the same order (as ``PriorityQueue``). Seats are fair
+too: when every seat (``max_num_seqs``) is taken and the request due next belongs to a tenant
+holding fewer running requests than its weighted share of them, the newest requests of tenants
+holding more than their share (and served more) are preempted for it, only as many as they
+hold beyond their share. Without this a light tenant waits for a whole round of a flood's
+long requests to finish; with it, a step or two (its prefix-cached blocks make the victim's
+recomputation cheap).
 
 Adapter slots: when the next request of the tenant the policy would serve needs a LoRA slot
 and none is free, it *claims* one: until it is admitted, other tenants' adapter requests of its
@@ -275,4 +281,28 @@ class FairQueue:
         order = sorted(
             range(len(running)), key=lambda i: self._victim_rank(running, i), reverse=True
         )
-        return [running[i] for i in order if running[i].priority > waiting.priority]
+        worse = [running[i] for i in order if running[i].priority > waiting.priority]
+        return worse or self._seat_victims(running, waiting, order)
+
+    def _seat_victims(
+        self, running: Sequence[Request], waiting: Request, order: list[int]
+    ) -> list[Request]:
+        """Victims of the same priority for a request whose tenant holds fewer seats than its
+        weighted share of the running ones: the newest requests of tenants that hold more
+        than their share and have received more service, as many as they hold beyond it."""
+        seats = Counter(r.tenant for r in running)
+        tenant = waiting.tenant
+        active = set(seats) | {t for t, line in self._lines.items() if len(line)} | {tenant}
+        total = sum(self._weight(t) for t in active)
+        share = {t: len(running) * self._weight(t) / total for t in active}
+        if seats[tenant] + 1 > share[tenant] + 0.5:  # at or near its share already
+            return []
+        mine = self._counters.get(tenant, 0.0)
+        spare = {t: int(seats[t] - share[t]) for t in seats if self._counters[t] > mine}
+        victims: list[Request] = []
+        for i in order:
+            r = running[i]
+            if r.priority == waiting.priority and spare.get(r.tenant, 0) > 0:
+                spare[r.tenant] -= 1
+                victims.append(r)
+        return victims

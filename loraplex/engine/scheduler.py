@@ -15,8 +15,10 @@ skipped, with a bound on how long a cold adapter waits).
 
 Priority preemption (policies "priority" and "fair"): when the request the policy would admit
 next finds no seat (``max_num_seqs``) or no KV room, running requests the policy names
-(``admission_victims``: of a strictly worse priority) are marked, enough of them to make the
-room, and preempted at the start of the next step, before anything is scheduled. Not at once:
+(``admission_victims``: of a strictly worse priority; "fair" also names, among requests of
+the same priority, those of tenants holding more than their share of the seats) are marked,
+enough of them to make the room, and preempted at the start of the next step, before anything
+is scheduled. Not at once:
 a request already scheduled this step has its blocks registered in the prefix cache for tokens
 computed in this step, which another request may already have hit.
 
@@ -254,11 +256,13 @@ class Scheduler:
         chosen: list[str] = []
         marked: list[tuple[Request, Request]] = []
         for victim in self.waiting.admission_victims(self.running, req):
-            if victim.priority <= req.priority:
+            same = victim.priority == req.priority
+            if victim.priority < req.priority or (same and victim.tenant == req.tenant):
                 raise RuntimeError(
                     f"the scheduling policy named running request {victim.request_id!r} "
                     f"(priority {victim.priority}) to make room for {req.request_id!r} "
-                    f"(priority {req.priority}); a victim's priority must be strictly worse"
+                    f"(priority {req.priority}); a victim's priority must not be better, and "
+                    "a request of the same priority must belong to another tenant"
                 )
             chosen.append(victim.request_id)
             marked.append((victim, req))

@@ -452,3 +452,29 @@ def test_priority_preemption_in_fair_takes_the_most_served_tenants_newest() -> N
     assert urgent.request_id in d.step()
     assert [r.num_preemptions for r in (*rich, poor)] == [0, 1, 0]  # rich: 2 running, more served
     d.finish()
+
+
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+def test_a_light_tenant_gets_a_seat_from_a_flood_of_long_requests(policy: str) -> None:
+    """The flood keeps 48 requests of 48 tokens open against 16 seats, so its running requests
+    finish together about every 48 steps; a light tenant's request arriving between two such
+    rounds gets a seat from the flood (preempting its newest request: it holds more than its
+    share of the seats and has received more service) within a few steps under the fair policy,
+    instead of waiting for the round to end. FCFS makes it wait behind the whole backlog."""
+    d = Drive(policy, seed=10, max_num_seqs=16, num_blocks=400)
+    light = []
+    for n in range(1200):
+        waiting = sum(1 for r in d.sched.waiting_requests() if r.tenant == "flood")
+        for _ in range(32 - waiting):
+            d.add("flood", prompt=8, max_tokens=48)
+        if n >= 100 and n % 37 == 0:
+            light.append(d.add("light", prompt=6, max_tokens=8))
+        d.step()
+    d.finish()
+    waits = [d.wait(r.request_id) for r in light]
+    print(f"\n{policy}: light waits max {max(waits)}, preemptions {d.sched.stats.num_preemptions}")
+    if policy == "fair":
+        assert max(waits) <= 3, waits
+        assert d.sched.stats.num_preemptions <= len(light)  # one seat per light request at most
+    else:
+        assert min(waits) > 40
