@@ -5,7 +5,8 @@ audience       who                                                 routes
 =============  ==================================================  ============================
 ``public``     anyone, no credential                               /health, /version, sign-in,
                                                                    static files, the schema
-``inference``  a tenant key with ``inference``, or the operator    /v1/models, completions
+``inference``  a tenant key with ``inference``, or the operator    /v1/models, completions,
+                                                                   /tokenize, /detokenize
 ``tenant``     a tenant key only (never the operator's token)      /v1/adapters, /v1/usage
 ``operator``   the operator's credential only (the admin token;    /admin/api/*, and without
                without the platform, the ``--api-key``)            the platform the LoRA

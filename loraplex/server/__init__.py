@@ -27,6 +27,7 @@ from loraplex.platform.api import admin as admin_api
 from loraplex.platform.api import metrics as metrics_api
 from loraplex.platform.api import openai as openai_routes
 from loraplex.platform.api import registry as registry_routes
+from loraplex.platform.api import tokenize as tokenize_routes
 from loraplex.platform.api import usage as usage_api
 from loraplex.platform.auth import Authenticator
 from loraplex.platform.components import Platform
@@ -107,6 +108,7 @@ def mount_routes(app: LoraplexApp) -> None:
     table: list[tuple[APIRouter, Audience]] = [
         (openai_routes.public_router, "public"),
         (openai_routes.inference_router, "inference"),
+        (tokenize_routes.router, "inference"),
         (metrics_api.router, "metrics"),
     ]
     if app.platform.tenancy is None:

@@ -133,6 +133,8 @@ async def test_every_platform_route_is_reached_only_by_its_audience(
     assert sorted(seen["inference"]) == [
         "GET /v1/models",
         "GET /v1/models/{name:path}",
+        "POST /detokenize",
+        "POST /tokenize",
         "POST /v1/chat/completions",
         "POST /v1/completions",
     ]

@@ -78,12 +78,17 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str | None, str]] = [
         "stream_options.include_usage",
         "boolean",
     ),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools", "not supported"),
     (
         "/v1/chat/completions",
-        {**CHAT, "response_format": {"type": "json_object"}},
-        "response_format",
-        "JSON",
+        {**CHAT, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+        "tools[0].function.name",
+        "letters, digits",
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "response_format": {"type": "json_schema"}},
+        "response_format.json_schema",
+        "needs its json_schema",
     ),
     ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": 10}}, "logit_bias", "not supported"),
     (
@@ -94,9 +99,9 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str | None, str]] = [
     ),
     (
         "/v1/chat/completions",
-        {**CHAT, "messages": [{"role": "tool", "content": "t30", "tool_call_id": "x"}]},
-        "messages",
-        "tool messages are not supported",
+        {**CHAT, "messages": [{"role": "tool", "content": "t30"}]},
+        "messages[0].tool_call_id",
+        "without its tool_call_id",
     ),
     (
         "/v1/chat/completions",

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from loraplex.platform.errors import clip, invalid_request, shorten
-from loraplex.platform.openai.protocol import ChatMessage
+from loraplex.platform.openai.protocol import ChatMessage, ToolCallIn
+from loraplex.platform.openai.tools.formats import template_tools
+from loraplex.platform.openai.tools.template import ToolPrompt, prepare
 
 
 def render_chat(
@@ -13,6 +16,7 @@ def render_chat(
     messages: list[ChatMessage],
     add_generation_prompt: bool,
     continue_final_message: bool = False,
+    tools: ToolPrompt | None = None,
 ) -> list[int]:
     """The prompt's token ids (``render_chat_text``, then tokenized)."""
     text = render_chat_text(
@@ -20,6 +24,7 @@ def render_chat(
         messages,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
+        tools=tools,
     )
     return tokenize_chat(tokenizer, text)
 
@@ -30,13 +35,16 @@ def render_chat_text(
     *,
     add_generation_prompt: bool,
     continue_final_message: bool = False,
+    tools: ToolPrompt | None = None,
 ) -> str:
     """The conversation through the model's chat template, as Hugging Face renders it.
 
     ``add_generation_prompt``: the text ends with the assistant's turn opener (the template's
     generation prompt). ``continue_final_message``: the last message, the assistant's, is left
     open (the template's text after its content is cut), so the model continues it; the two
-    exclude each other (the caller checks).
+    exclude each other (the caller checks). ``tools``: the tools offered to the model (the
+    template's own tool calling, or loraplex's words for it: ``tools.template``); earlier calls
+    and tool results are rendered the same way with or without it.
     """
     if not messages:
         raise invalid_request(
@@ -54,18 +62,23 @@ def render_chat_text(
             "invalid_value",
         )
     conversation = [_template_message(m, i) for i, m in enumerate(messages)]
-    if not getattr(tokenizer, "chat_template", None):
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
         raise invalid_request(
             "The served model has no chat template, so chat messages cannot be formatted; use "
             "/v1/completions with a prompt, or serve a model whose tokenizer has a chat template.",
             "messages",
             "chat_template_missing",
         )
+    conversation, tool_specs = prepare(
+        conversation, tools or ToolPrompt(template_tools(str(template)))
+    )
     import jinja2
 
     try:
         text = tokenizer.apply_chat_template(
             conversation,
+            tools=tool_specs,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
@@ -121,16 +134,54 @@ def _template_message(message: ChatMessage, i: int) -> dict[str, Any]:
         text = content or ""
     # "developer" is OpenAI's newer name for "system"; templates know only "system".
     role = "system" if message.role == "developer" else message.role
-    if message.tool_calls:
-        raise invalid_request(
-            f"messages[{i}] holds tool_calls; function calling is not supported, so tool calls "
-            f"cannot be part of the conversation. Remove 'messages[{i}].tool_calls'.",
-            f"messages[{i}].tool_calls",
-            "unsupported_parameter",
-        )
     out: dict[str, Any] = {"role": role, "content": text}
     if message.name is not None:
         out["name"] = message.name
-    if message.tool_call_id is not None:
+    if message.role == "tool":
+        if message.tool_call_id is None:
+            raise invalid_request(
+                f"messages[{i}] is a tool message without its tool_call_id; send the id of "
+                "the call it answers (the assistant message's tool_calls[].id).",
+                f"messages[{i}].tool_call_id",
+                "missing_tool_call_id",
+            )
         out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        if message.role != "assistant":
+            raise invalid_request(
+                f"messages[{i}] is a {message.role} message with tool_calls; only the "
+                "assistant's messages hold tool calls.",
+                f"messages[{i}].tool_calls",
+                "invalid_value",
+            )
+        out["tool_calls"] = [_template_call(c, i, j) for j, c in enumerate(message.tool_calls)]
+    return out
+
+
+def _template_call(call: ToolCallIn, i: int, j: int) -> dict[str, Any]:
+    """An earlier call as Hugging Face templates read it: the arguments as an object."""
+    where = f"messages[{i}].tool_calls[{j}]"
+    if call.type != "function":
+        raise invalid_request(
+            f"{where}.type is {clip(call.type, 40)!r}; only 'function' calls are supported.",
+            f"{where}.type",
+            "invalid_value",
+        )
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise invalid_request(
+            f"{where}.function.arguments is not a JSON object as text (such as "
+            '\'{"city": "Paris"}\'); send the arguments the call was made with.',
+            f"{where}.function.arguments",
+            "invalid_tool_call",
+        )
+    out: dict[str, Any] = {
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": arguments},
+    }
+    if call.id is not None:
+        out["id"] = call.id
     return out

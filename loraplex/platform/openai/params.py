@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from loraplex.platform.errors import APIError, invalid_request
 from loraplex.platform.openai.protocol import MAX_STOP_STRINGS, SamplingFields
-from loraplex.sampling_params import SamplingParams
+from loraplex.sampling_params import SamplingParams, StructuredOutputsParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's max_tokens default on /v1/completions
 
@@ -20,6 +20,7 @@ def sampling_params(
     logprobs: int | None,
     max_n: int,
     max_model_len: int,
+    structured: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The engine's ``SamplingParams`` for a request, after the checks that need the prompts'
     lengths; every problem is a 400 naming the API field."""
@@ -58,6 +59,7 @@ def sampling_params(
             logprobs=logprobs,
             skip_special_tokens=body.skip_special_tokens is not False,
             include_stop_str_in_output=bool(body.include_stop_str_in_output),
+            structured_outputs=structured,
         )
     except ValueError as exc:
         raise params_error(exc, tokens_param) from None

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -40,6 +41,9 @@ import anyio.to_thread
 from loraplex.platform.errors import invalid_request
 from loraplex.platform.openai.chat import render_chat_text, tokenize_chat
 from loraplex.platform.openai.protocol import ChatCompletionRequest, CompletionRequest
+from loraplex.platform.openai.tools.template import ToolPrompt
+
+T = TypeVar("T")
 
 NFC_CHARS_PER_BYTE = 1.5  # max over code points c of len(NFD(c)) / len(c.encode("utf-8"))
 _NORMALIZERS: dict[str | None, float] = {None: 1.0, "NFC": NFC_CHARS_PER_BYTE}
@@ -136,6 +140,10 @@ class Prompts:
         self._limiter = anyio.CapacityLimiter(threads)
         self._bounds: dict[int, TokenBound | None] = {}  # id(tokenizer) -> its bound
 
+    async def run(self, work: Callable[[], T]) -> T:
+        """``work`` (tokenizer work of another kind: /tokenize) in these threads."""
+        return await anyio.to_thread.run_sync(work, limiter=self._limiter)
+
     async def completion(
         self, tokenizer: Any, body: CompletionRequest, items: list[Any], max_model_len: int
     ) -> list[list[int]]:
@@ -172,8 +180,10 @@ class Prompts:
         add_generation_prompt: bool,
         continue_final_message: bool,
         max_model_len: int,
+        tools: ToolPrompt | None = None,
     ) -> list[int]:
-        """A chat request's messages through the chat template, as token ids."""
+        """A chat request's messages (and the tools offered) through the chat template, as
+        token ids."""
 
         def run() -> list[int]:
             text = render_chat_text(
@@ -181,6 +191,7 @@ class Prompts:
                 body.messages,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                tools=tools,
             )
             where = "in the messages (with the chat template)"
             self._check_fits(tokenizer, text, max_model_len, "messages", where)

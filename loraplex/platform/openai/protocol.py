@@ -91,8 +91,22 @@ class StreamOptions(_Request):
     continuous_usage_stats: Bool | None = False  # extension; refused when true (unsupported)
 
 
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema``: OpenAI's structured outputs (``strict`` is accepted and
+    always honoured: the schema is enforced whatever it says)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    name: ShortText | None = None
+    description: Text | None = None
+    # "schema" shadows a BaseModel attribute: the field is schema_, spelled "schema" in JSON
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: Bool | None = None
+
+
 class ResponseFormat(_Request):
     type: Text
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(_Request):
@@ -113,7 +127,8 @@ class SamplingFields(_Request):
     presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, Any] | None = None  # refused when non-empty: not supported
-    response_format: ResponseFormat | None = None  # only {"type": "text"} (vLLM: both endpoints)
+    # text, json_object or json_schema (vLLM: both endpoints); see structured.py
+    response_format: ResponseFormat | None = None
     user: ShortText | None = None
     # extensions
     top_k: Int | None = Field(None, ge=-1)
@@ -128,6 +143,13 @@ class SamplingFields(_Request):
     # extension: add the tokenizer's special tokens (BOS) to the prompt's text; default true
     # for completions, false for chat (the chat template writes them)
     add_special_tokens: Bool | None = None
+    # extensions: vLLM's constraints (structured.py reads and bounds them). structured_outputs
+    # is read by hand, so that each of its keys gets its own message.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -143,12 +165,46 @@ class ContentPart(_Request):
     text: Text | None = None
 
 
+class FunctionCallIn(_Request):
+    name: Text
+    arguments: Text = "{}"  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCallIn(_Request):
+    """A call the assistant made earlier in the conversation."""
+
+    id: Text | None = None
+    type: Text = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
-    tool_call_id: Text | None = None
-    tool_calls: list[Any] | None = None  # refused when non-empty: not supported
+    tool_call_id: Text | None = None  # a tool message: the call it answers
+    tool_calls: list[ToolCallIn] | None = None  # an assistant message: the calls it made
+
+
+class FunctionDefinition(_Request):
+    name: Text  # checked by tools.request (OpenAI's pattern), for a message that says it
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: Bool | None = None  # accepted; arguments are always enforced under required/named
+
+
+class ToolDefinition(_Request):
+    type: Text
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: Text
+
+
+class NamedToolChoice(_Request):
+    type: Text
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -156,8 +212,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: Bool | None = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None  # refused when non-empty: not supported
-    functions: list[Any] | None = None  # refused when non-empty: not supported
+    tools: list[ToolDefinition] | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+    tool_choice: Text | NamedToolChoice | None = None
+    parallel_tool_calls: Bool | None = None  # default true
+    functions: list[Any] | None = None  # refused when non-empty: the deprecated API, use tools
     # extensions (vLLM's meaning). add_generation_prompt: end the prompt with the assistant's
     # turn opener (the template's generation prompt); false ends it where the template ends the
     # last message. continue_final_message: the last message is the assistant's, left open (not
@@ -217,9 +276,21 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    id: str  # call_<random>
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

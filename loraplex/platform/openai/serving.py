@@ -56,10 +56,16 @@ from loraplex.platform.openai.protocol import (
     Usage,
 )
 from loraplex.platform.openai.sse import DONE, SSEResponse, sse
+from loraplex.platform.openai.structured import Constraint, ConstraintChecker, request_constraint
+from loraplex.platform.openai.tools.constraint import with_tools
+from loraplex.platform.openai.tools.formats import template_tools
+from loraplex.platform.openai.tools.output import StreamedCalls, whole_message
+from loraplex.platform.openai.tools.request import ToolPlan, tool_plan
+from loraplex.platform.openai.tools.template import ToolPrompt
 from loraplex.platform.openai.unsupported import refuse_unsupported
 from loraplex.platform.quotas import QuotaManager, estimate_tokens
 from loraplex.platform.request_log import CLIENT_CLOSED, RequestRecord, request_record
-from loraplex.sampling_params import SamplingParams
+from loraplex.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +78,7 @@ class ServingConfig:
     # (cut to the room the prompt leaves); None: up to the context
     default_max_tokens: int | None = None
     tokenize_threads: int = 4  # prompts rendered and tokenized at once (worker threads)
+    grammar_threads: int = 2  # constraints compiled at once (worker threads)
 
 
 class OpenAIServing:
@@ -93,6 +100,7 @@ class OpenAIServing:
         self._tokenizer_lock = asyncio.Lock()
         self._token_text: dict[int, str] = {}
         self.prompts = Prompts(config.tokenize_threads)
+        self.constraints = ConstraintChecker(config.grammar_threads)
 
     async def tokenizer(self) -> Any:
         """The base model's tokenizer, loaded (in a thread) on first use."""
@@ -116,13 +124,17 @@ class OpenAIServing:
         record, model = await self._begin(rid, body, caller, request)
         refuse_unsupported(body, "completions")
         items = self._completion_items(body)
+        constraint = request_constraint(body)
         tokenizer = await self.tokenizer()
+        structured = await self._compiled(constraint, tokenizer)
         limit = self.client.info.max_model_len
         prompts = await self.prompts.completion(tokenizer, body, items, limit)
         max_tokens = body.max_tokens
         if max_tokens is None:  # OpenAI's and vLLM's default, not the whole context
             max_tokens = default_max_tokens(COMPLETIONS_DEFAULT_MAX_TOKENS, prompts, limit)
-        params = self._params(body, prompts, "prompt", max_tokens, "max_tokens", body.logprobs)
+        params = self._params(
+            body, prompts, "prompt", max_tokens, "max_tokens", body.logprobs, structured
+        )
         headers = await self._admit(request, record, caller, prompts, params)
         gen = self._open(
             rid, prompts, params, model, caller, "prompt", tokenizer, priority=body.priority or 0
@@ -228,7 +240,11 @@ class OpenAIServing:
                 "invalid_value",
             )
         add_generation_prompt, continue_final_message = _turn_end(body)
+        plan = tool_plan(body)
+        constraint = request_constraint(body)
         tokenizer = await self.tokenizer()
+        template = template_tools(getattr(tokenizer, "chat_template", None))
+        structured = await self._compiled(with_tools(constraint, plan, template.format), tokenizer)
         limit = self.client.info.max_model_len
         prompt = await self.prompts.chat(
             tokenizer,
@@ -236,6 +252,7 @@ class OpenAIServing:
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             max_model_len=limit,
+            tools=ToolPrompt(template, plan.tools if plan else ()),
         )
         max_tokens, tokens_param = body.max_tokens, "max_tokens"
         if body.max_completion_tokens is not None:
@@ -243,7 +260,9 @@ class OpenAIServing:
         if max_tokens is None:  # the operator's default (None: up to the context)
             max_tokens = default_max_tokens(self.config.default_max_tokens, [prompt], limit)
         top_n = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._params(body, [prompt], "messages", max_tokens, tokens_param, top_n)
+        params = self._params(
+            body, [prompt], "messages", max_tokens, tokens_param, top_n, structured
+        )
         headers = await self._admit(request, record, caller, [prompt], params)
         gen = self._open(
             rid, [prompt], params, model, caller, "messages", tokenizer, priority=body.priority or 0
@@ -251,7 +270,9 @@ class OpenAIServing:
         created = int(time.time())
         if body.stream:
             include_usage = _include_usage(body)
-            events = self._chat_stream(gen, rid, created, model, include_usage, top_n is not None)
+            events = self._chat_stream(
+                gen, rid, created, model, include_usage, top_n is not None, plan
+            )
             return SSEResponse(
                 self._guarded(events, gen, record), headers={"X-Request-Id": rid, **headers}
             )
@@ -263,11 +284,8 @@ class OpenAIServing:
             created=created,
             model=model.served_name,
             choices=[
-                ChatChoice(
-                    index=c.index,
-                    message=ChatResponseMessage(content=c.text),
-                    logprobs=self._chat_logprobs(c.events) if top_n is not None else None,
-                    finish_reason=c.finish_reason,
+                _chat_choice_of(
+                    c, plan, self._chat_logprobs(c.events) if top_n is not None else None
                 )
                 for c in choices
             ],
@@ -282,18 +300,28 @@ class OpenAIServing:
         model: ResolvedModel,
         include_usage: bool,
         want_logprobs: bool,
+        plan: ToolPlan | None = None,
     ) -> AsyncGenerator[str, None]:
         kind = "chat.completion.chunk"
         for i in range(gen.num_choices):
             first = _chat_choice(i, {"role": "assistant", "content": ""}, None, None)
             yield sse(_chunk(rid, kind, created, model, [first], include_usage))
+        calls = [StreamedCalls(plan) for _ in range(gen.num_choices)] if plan else None
         async with contextlib.aclosing(gen.events()) as events:
             async for ev in events:
                 logprobs = self._chat_logprobs([ev]).model_dump() if want_logprobs else None
-                if not ev.text and not ev.finish_reason and not (logprobs and ev.logprobs):
+                finish = ev.finish_reason
+                delta: dict[str, Any] | None
+                if calls is None:
+                    delta = {"content": ev.text} if ev.text else None
+                else:  # tool calls parsed out of the text as it comes
+                    delta = calls[ev.index].push(ev.text, final=finish is not None)
+                    finish = calls[ev.index].finish_reason(finish)
+                if delta is None and not finish and not (logprobs and ev.logprobs):
                     continue  # tokens whose text is held back (a partial character or stop)
-                delta = {"content": ev.text} if ev.text or logprobs else {}
-                choice = _chat_choice(ev.index, delta, logprobs, ev.finish_reason)
+                if delta is None:
+                    delta = {"content": ""} if logprobs else {}
+                choice = _chat_choice(ev.index, delta, logprobs, finish)
                 yield sse(_chunk(rid, kind, created, model, [choice], include_usage))
         if include_usage:
             yield sse(_usage_chunk(rid, kind, created, model, gen.usage))
@@ -392,6 +420,16 @@ class OpenAIServing:
         request.state.rate_limit_headers = lease.headers
         return lease.headers
 
+    async def _compiled(
+        self, constraint: Constraint | None, tokenizer: Any
+    ) -> StructuredOutputsParams | None:
+        """The constraint, compiled once with the served tokenizer in a worker thread: a 400
+        here for what the backend cannot enforce, before the request reaches the engine."""
+        if constraint is None:
+            return None
+        await self.constraints.check(constraint, tokenizer)
+        return constraint.params
+
     def _params(
         self,
         body: SamplingFields,
@@ -400,6 +438,7 @@ class OpenAIServing:
         max_tokens: int | None,
         tokens_param: str,
         logprobs: int | None,
+        structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         return sampling_params(
             body,
@@ -410,6 +449,7 @@ class OpenAIServing:
             logprobs=logprobs,
             max_n=self.config.max_n,
             max_model_len=self.client.info.max_model_len,
+            structured=structured,
         )
 
     def _open(
@@ -524,6 +564,19 @@ class _Collected:
         return "".join(ev.text for ev in self.events)
 
 
+def _chat_choice_of(
+    collected: _Collected, plan: ToolPlan | None, logprobs: ChatChoiceLogprobs | None
+) -> ChatChoice:
+    """A non-streamed choice: its text, or with tools its content and parsed calls."""
+    message = ChatResponseMessage(content=collected.text)
+    finish = collected.finish_reason
+    if plan is not None:
+        message, finish = whole_message(collected.text, finish, plan)
+    return ChatChoice(
+        index=collected.index, message=message, logprobs=logprobs, finish_reason=finish
+    )
+
+
 def _turn_end(body: ChatCompletionRequest) -> tuple[bool, bool]:
     """(add_generation_prompt, continue_final_message) of a chat request, as vLLM reads them:
     the generation prompt is on unless the final message is continued; asking for both is a
@@ -583,7 +636,7 @@ def _usage_chunk(
 
 
 def _chat_choice(
-    index: int, delta: dict[str, str], logprobs: dict[str, Any] | None, finish: str | None
+    index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None, finish: str | None
 ) -> dict[str, Any]:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 

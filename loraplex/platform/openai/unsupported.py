@@ -1,7 +1,7 @@
 """Request fields of OpenAI's and vLLM's APIs that loraplex does not implement, as one table.
 
-A client written for vLLM or OpenAI may send a field that changes the output (a JSON schema, a
-grammar, beam search, ...). Ignoring it would answer with unconstrained output and no warning, so
+A client written for vLLM or OpenAI may send a field that changes the output (beam search, a
+logit bias, structural tags, ...). Ignoring it would answer with unconstrained output and no warning, so
 every such field is listed in ``UNSUPPORTED`` with what it would do: a request that sets one to
 anything but a value that asks for nothing (null, or the field's default) gets a 400 naming it,
 ``code: "unsupported_parameter"``. Fields that change nothing in the output (``IGNORED``) and
@@ -55,10 +55,6 @@ def _best_of_is_n(value: Any, body: BaseModel) -> bool:
     return value is None or value == (getattr(body, "n", None) or 1)
 
 
-def _text_format(value: Any, _: BaseModel) -> bool:
-    return value is None or getattr(value, "type", None) == "text"
-
-
 def _stream_options(value: Any, body: BaseModel) -> bool:
     """Without ``stream``, options that ask for something (true) are refused, as OpenAI and vLLM
     do; ``{"include_usage": false}`` asks nothing."""
@@ -75,7 +71,9 @@ class Unsupported:
     instead: str = ""  # what to do instead, when there is something
 
 
-_GUIDED = "constrains the output (structured output / guided decoding), which is not supported yet"
+# Structured output is supported (structured.py: response_format, structured_outputs and the
+# guided_* constraints; tools/ for tool calls); these fields ask for more of it than loraplex has.
+_BACKENDS = ("auto", "guidance", "llguidance")  # vLLM's backend names that mean what runs here
 
 UNSUPPORTED: dict[str, Unsupported] = {
     # ---- OpenAI's fields ----
@@ -87,17 +85,14 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "best_of": Unsupported(
         "picks the best of several samples", _best_of_is_n, instead="use n to get several"
     ),
-    "tools": Unsupported("enables function calling", default([]), CHAT),
-    "functions": Unsupported("enables function calling", default([]), CHAT),
-    "tool_choice": Unsupported("selects function calls", default("none"), CHAT),
-    "function_call": Unsupported("selects function calls", default("none"), CHAT),
-    "parallel_tool_calls": Unsupported(
-        "applies to function calling, which is not supported", endpoints=CHAT
+    "functions": Unsupported(
+        "is OpenAI's deprecated function calling", default([]), CHAT, instead="use tools"
     ),
-    "response_format": Unsupported(
-        "asks for JSON output (JSON mode, a JSON schema or structural tags), which is not "
-        "supported yet; only {'type': 'text'} is",
-        _text_format,
+    "function_call": Unsupported(
+        "is OpenAI's deprecated function calling",
+        default("none"),
+        CHAT,
+        instead="use tool_choice",
     ),
     "stream_options": Unsupported(
         "applies only to streamed responses (a non-streamed response always carries usage)",
@@ -110,14 +105,18 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "reasoning_effort": Unsupported("sets a reasoning model's effort", endpoints=CHAT),
     "verbosity": Unsupported("sets a model's answer length", endpoints=CHAT),
     # ---- vLLM's extensions ----
-    "guided_json": Unsupported(_GUIDED),
-    "guided_regex": Unsupported(_GUIDED),
-    "guided_choice": Unsupported(_GUIDED),
-    "guided_grammar": Unsupported(_GUIDED),
-    "guided_whitespace_pattern": Unsupported(_GUIDED),
-    "guided_decoding_backend": Unsupported(_GUIDED),
-    "structural_tag": Unsupported(_GUIDED),
-    "structured_outputs": Unsupported(_GUIDED),
+    "guided_whitespace_pattern": Unsupported(
+        "sets the whitespace of constrained JSON",
+        instead="set structured_outputs.disable_any_whitespace for compact JSON",
+    ),
+    "guided_decoding_backend": Unsupported(
+        "selects a structured-output backend other than the one this server runs "
+        f"(llguidance; {', '.join(repr(b) for b in _BACKENDS)} are accepted)",
+        default(*_BACKENDS),
+    ),
+    "structural_tag": Unsupported(
+        "constrains the output with structural tags", instead="use tools or a json_schema"
+    ),
     "use_beam_search": Unsupported("asks for beam search", default(False)),
     "length_penalty": Unsupported("applies to beam search, which is not supported", default(1.0)),
     "min_tokens": Unsupported("forbids ending before a number of tokens", default(0)),

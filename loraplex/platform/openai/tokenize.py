@@ -1,0 +1,172 @@
+"""``POST /tokenize`` and ``POST /detokenize`` in vLLM's shapes, for clients that build their own
+prompts::
+
+    /tokenize    {"model", "prompt"}                      -> {"count", "max_model_len",
+                 {"model", "messages", "tools"?,              "tokens", "token_strs"}
+                  "add_generation_prompt"?, "continue_final_message"?}
+                 (+ "add_special_tokens", "return_token_strs")
+    /detokenize  {"model", "tokens"}                      -> {"prompt"}
+
+``model`` resolves for the caller exactly as on the completion endpoints (a tenant's adapter, or
+404 ``model_not_found`` for anyone else's); an adapter shares the base model's tokenizer. A chat
+conversation renders exactly as ``/v1/chat/completions`` would render it (the tools included).
+The work runs in the prompt threads, never on the event loop, and is bounded: a prompt of at
+most ``MAX_TOKENIZE_CHARS`` characters, at most ``MAX_DETOKENIZE_TOKENS`` ids, each in the
+vocabulary.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from loraplex.platform.auth import Caller
+from loraplex.platform.errors import invalid_request
+from loraplex.platform.openai.chat import render_chat_text, tokenize_chat
+from loraplex.platform.openai.protocol import (
+    Bool,
+    ChatMessage,
+    NamedToolChoice,
+    Text,
+    TokenId,
+    ToolDefinition,
+    _Request,
+)
+from loraplex.platform.openai.serving import OpenAIServing
+from loraplex.platform.openai.tools.formats import template_tools
+from loraplex.platform.openai.tools.request import tool_plan
+from loraplex.platform.openai.tools.template import ToolPrompt
+
+MAX_TOKENIZE_CHARS = 1 << 20
+MAX_DETOKENIZE_TOKENS = 1 << 17
+
+
+class TokenizeRequest(_Request):
+    model: Text | None = Field(None, max_length=256)  # None: the base model
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: Bool | None = None  # default true for a prompt, false for messages
+    add_generation_prompt: Bool | None = True
+    continue_final_message: Bool | None = False
+    return_token_strs: Bool | None = False
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Text | NamedToolChoice | None = None
+    parallel_tool_calls: Bool | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: Text | None = Field(None, max_length=256)
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+async def tokenize(
+    serving: OpenAIServing, body: TokenizeRequest, caller: Caller
+) -> TokenizeResponse:
+    await serving.resolver.lookup(caller, body.model or serving.resolver.base_name)
+    if (body.prompt is None) == (body.messages is None):
+        raise invalid_request(
+            "Send either prompt (a text) or messages (a chat conversation), not both and not "
+            "neither.",
+            "prompt" if body.prompt is not None else "messages",
+            "invalid_value",
+        )
+    text_len = len(body.prompt) if body.prompt is not None else _messages_chars(body.messages)
+    if text_len > MAX_TOKENIZE_CHARS:
+        param = "prompt" if body.prompt is not None else "messages"
+        raise invalid_request(
+            f"The {param} holds {text_len:,} characters; /tokenize takes at most "
+            f"{MAX_TOKENIZE_CHARS:,}. Tokenize it in parts.",
+            param,
+            "prompt_too_long",
+        )
+    tokenizer = await serving.tokenizer()
+    prompt = None
+    if body.messages is not None:
+        if (
+            body.continue_final_message
+            and body.add_generation_prompt
+            and ("add_generation_prompt" in body.model_fields_set)
+        ):
+            raise invalid_request(
+                "add_generation_prompt: true opens a new assistant turn, while "
+                "continue_final_message: true continues the last message; set only one.",
+                "continue_final_message",
+                "invalid_value",
+            )
+        plan = tool_plan(body)
+        template = template_tools(getattr(tokenizer, "chat_template", None))
+        prompt = ToolPrompt(template, plan.tools if plan else ())
+    continued = bool(body.continue_final_message)
+
+    def run() -> tuple[list[int], list[str] | None]:
+        if body.messages is not None:
+            text = render_chat_text(
+                tokenizer,
+                body.messages,
+                add_generation_prompt=body.add_generation_prompt is not False and not continued,
+                continue_final_message=continued,
+                tools=prompt,
+            )
+            ids = tokenize_chat(tokenizer, text, bool(body.add_special_tokens))
+        else:
+            special = body.add_special_tokens is not False
+            ids = list(tokenizer(body.prompt, add_special_tokens=special, verbose=False).input_ids)
+        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return ids, strs
+
+    ids, strs = await serving.prompts.run(run)
+    return TokenizeResponse(
+        count=len(ids),
+        max_model_len=serving.client.info.max_model_len,
+        tokens=ids,
+        token_strs=strs,
+    )
+
+
+async def detokenize(
+    serving: OpenAIServing, body: DetokenizeRequest, caller: Caller
+) -> DetokenizeResponse:
+    await serving.resolver.lookup(caller, body.model or serving.resolver.base_name)
+    tokens = body.tokens
+    if len(tokens) > MAX_DETOKENIZE_TOKENS:
+        raise invalid_request(
+            f"tokens holds {len(tokens):,} ids; /detokenize takes at most "
+            f"{MAX_DETOKENIZE_TOKENS:,}. Send them in parts.",
+            "tokens",
+            "too_many_tokens",
+        )
+    tokenizer = await serving.tokenizer()
+    vocab = len(tokenizer)
+    for i, token in enumerate(tokens):
+        if not 0 <= token < vocab:
+            raise invalid_request(
+                f"tokens[{i}] is {token if abs(token) < 10**12 else 'a huge number'}, not a "
+                f"token id of this model (0..{vocab - 1}).",
+                f"tokens[{i}]",
+                "invalid_token_id",
+            )
+
+    def run() -> str:
+        return str(tokenizer.decode(tokens))
+
+    return DetokenizeResponse(prompt=await serving.prompts.run(run))
+
+
+def _messages_chars(messages: list[ChatMessage] | None) -> int:
+    total = 0
+    for m in messages or ():
+        if isinstance(m.content, str):
+            total += len(m.content)
+        elif m.content is not None:
+            total += sum(len(p.text or "") for p in m.content)
+    return total
