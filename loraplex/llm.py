@@ -72,8 +72,9 @@ class LLM:
         or a list with one per prompt. ``lora_request`` is one adapter for all prompts, or a list
         with one entry per prompt (``None`` = the base model). ``priority`` is one for all
         prompts or one per prompt (lower runs earlier where the scheduling policy orders by
-        priority; FCFS ignores it). Every prompt and adapter is validated before any request
-        runs.
+        priority; FCFS ignores it). Every prompt, adapter and structured-output constraint is
+        validated before any request runs (``GrammarError`` for a constraint the backend cannot
+        enforce).
         """
         engine = self.llm_engine
         items = _as_prompt_list(prompts)
@@ -118,6 +119,15 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             tokenized.append(ids)
+        checked: set[str] = set()
+        for i, p in enumerate(params):
+            constraint = p.structured_outputs
+            if constraint is not None and constraint.key() not in checked:
+                try:
+                    engine.check_constraint(constraint)
+                except ValueError as e:
+                    raise type(e)(f"prompt {i}: {e}") from None
+                checked.add(constraint.key())
 
         request_ids = [f"gen-{next(self._counter)}" for _ in items]
         for rid, prompt, ids, p, key, prio in zip(

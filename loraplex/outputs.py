@@ -17,10 +17,11 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     logprobs: list[dict[int, Logprob]] | None = None  # one dict per token: sampled + top-N
     cumulative_logprob: float | None = None
+    error: str | None = None  # finish_reason "error": why (its constraint failed in the engine)
 
     @property
     def finished(self) -> bool:

@@ -56,10 +56,13 @@ class RequestDelta:
     index: int  # sample index 0..n-1
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None
     stop_reason: int | str | None
     num_cached_tokens: int
     queue_time: float | None = None  # seconds the sample waited to be scheduled (first delta)
+    # finish_reason "error": why the engine could not serve it (a structured-output constraint
+    # that failed to compile, or whose matcher failed); the request is lost, the engine is fine
+    error: str | None = None
 
 
 class EngineDeadError(RuntimeError):
@@ -466,6 +469,7 @@ class StreamingClient(EngineClient):
                     out.stop_reason,
                     out.num_cached_tokens,
                     out.queue_time,
+                    out.error,
                 )
             )
 

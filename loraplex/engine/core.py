@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from loraplex.config import EngineConfig
@@ -14,6 +14,8 @@ from loraplex.engine.records import EngineCoreOutput
 from loraplex.engine.request import Request
 from loraplex.engine.runner import ModelRunner
 from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.structured import StructuredOutputs
+from loraplex.grammar import GrammarBackend, LLGuidanceBackend
 from loraplex.lora.adapter import LoRAAdapter
 
 logger = logging.getLogger(__name__)
@@ -27,8 +29,6 @@ class EngineCore:
         """The engine factory: build the core and describe it. EOS ids: the model's plus the
         tokenizer's (loaded from ``model_dir`` when not given), so every client stops where
         ``LLM.generate`` stops."""
-        core = cls(config, model_dir)
-        eos = list(core.runner.spec.eos_token_ids)
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -36,9 +36,8 @@ class EngineCore:
                 tokenizer = AutoTokenizer.from_pretrained(model_dir)
             except Exception:  # a directory without a tokenizer still serves token ids
                 tokenizer = None
-        tok_eos = getattr(tokenizer, "eos_token_id", None)
-        if isinstance(tok_eos, int) and tok_eos not in eos:
-            eos.append(tok_eos)
+        core = cls(config, model_dir, tokenizer=tokenizer)
+        eos = list(core.eos_token_ids)
         lora = config.lora
         info = EngineInfo(
             model_dir=model_dir,
@@ -54,8 +53,19 @@ class EngineCore:
         )
         return core, info
 
-    def __init__(self, config: EngineConfig, model_dir: str):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: str,
+        tokenizer: Any | None = None,
+        grammar_backend: Callable[[], GrammarBackend] | None = None,
+    ):
+        """``tokenizer``: the model's (loaded from ``model_dir`` when a constraint first needs
+        it); ``grammar_backend``: builds the structured-output backend (default: llguidance
+        for the tokenizer, the model's vocabulary and the EOS ids)."""
         self.config = config
+        self.model_dir = model_dir
+        self._tokenizer = tokenizer
         self.runner = ModelRunner(
             config.model, config.cache, config.scheduler, model_dir, lora_config=config.lora
         )
@@ -77,10 +87,29 @@ class EngineCore:
         self.vocab_size = spec.vocab_size
         lora = self.runner.lora
         self.lora_target_modules: tuple[str, ...] = lora.target_modules if lora else ()
+        eos = list(spec.eos_token_ids)
+        tok_eos = getattr(tokenizer, "eos_token_id", None)
+        if isinstance(tok_eos, int) and tok_eos not in eos:
+            eos.append(tok_eos)
+        self.eos_token_ids: tuple[int, ...] = tuple(eos)  # the model's, then the tokenizer's
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.structured = StructuredOutputs(grammar_backend or self._grammar_backend)
         self.scheduler = Scheduler(
-            config.scheduler, self.kv, max_model_len, max_loras=config.lora.max_loras
+            config.scheduler,
+            self.kv,
+            max_model_len,
+            max_loras=config.lora.max_loras,
+            constraints=self.structured,
         )
+
+    def _grammar_backend(self) -> GrammarBackend:
+        """The default backend (on a compile thread, at the first constrained request)."""
+        tokenizer = self._tokenizer
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        return LLGuidanceBackend(tokenizer, self.vocab_size, self.eos_token_ids)
 
     # ---- adapters --------------------------------------------------------------------------
 
@@ -91,7 +120,8 @@ class EngineCore:
 
     def remove_lora(self, key: str) -> None:
         """Forget an adapter. Refused while requests still use it."""
-        users = [r.request_id for r in self.scheduler.requests.values() if r.lora_key == key]
+        reqs = [*self.scheduler.requests.values(), *self.structured.waiting_requests()]
+        users = [r.request_id for r in reqs if r.lora_key == key]
         if users:
             raise ValueError(
                 f"adapter {key[:12]} is in use by {len(users)} request(s); wait for them to "
@@ -104,13 +134,23 @@ class EngineCore:
         return self.runner.lora is not None and self.runner.lora.has_adapter(key)
 
     def add_request(self, req: Request) -> None:
-        self.scheduler.add_request(req)
+        """Queue ``req`` (``ValueError`` when it cannot be served). A request with a
+        constraint waits in ``structured`` until its grammar is compiled."""
+        if req.params.structured_outputs is not None:
+            self.scheduler.check_request(req)
+            if not self.structured.admit(req):
+                return
+        try:
+            self.scheduler.add_request(req)
+        except Exception:
+            self.structured.forget(req.request_id)
+            raise
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self.scheduler.abort_requests(request_ids)
+        self.scheduler.abort_requests(self.structured.abort(request_ids))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.structured.num_waiting > 0
 
     def set_tenant_weights(self, weights: Mapping[str, float]) -> None:
         """Tenant id -> share weight for the fair policy, from the next step on (``ValueError``
@@ -118,15 +158,47 @@ class EngineCore:
         self.scheduler.set_tenant_weights(weights)
 
     def step(self) -> list[EngineCoreOutput]:
+        outputs = self._release_compiled()
+        if not self.scheduler.has_unfinished_requests():
+            if not self.structured.num_waiting:
+                return outputs
+            self.structured.wait()  # nothing to run but compiles: wait for one, never spin
+            outputs += self._release_compiled()
+            if not self.scheduler.has_unfinished_requests():
+                return outputs
         out = self.scheduler.schedule()
+        self.structured.fill_masks(out)
         result = self.runner.execute(out)
-        return self.scheduler.update(out, result)
+        return outputs + self.scheduler.update(out, result)
+
+    def _release_compiled(self) -> list[EngineCoreOutput]:
+        """Requests whose grammar compiled go to the scheduler; those whose grammar failed
+        finish here with the error."""
+        ready, failed = self.structured.take_ready()
+        outputs: list[EngineCoreOutput] = []
+        for req in ready:
+            try:
+                self.scheduler.add_request(req)
+            except ValueError as exc:  # checked at add_request; a duplicate id meanwhile
+                failed.append((req, str(exc)))
+        for req, why in failed:
+            self.structured.forget(req.request_id)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req.request_id,
+                    new_token_ids=[],
+                    finish_reason="error",
+                    queue_time=req.queue_time,
+                    error=why,
+                )
+            )
+        return outputs
 
     def stats(self) -> EngineStats:
         kv, sched = self.kv, self.scheduler
         return EngineStats(
             num_running=sched.num_running,
-            num_waiting=sched.num_waiting,
+            num_waiting=sched.num_waiting + self.structured.num_waiting,
             kv_blocks_total=kv.num_usable_blocks,
             kv_blocks_used=kv.num_used_blocks,
             kv_blocks_free=kv.num_free_blocks,
@@ -148,7 +220,9 @@ class EngineCore:
     def _tenant_stats(self) -> dict[str, TenantStats]:
         sched = self.scheduler
         running = Counter(r.tenant for r in sched.running)
-        waiting = Counter(r.tenant for r in sched.waiting_requests())
+        waiting = Counter(
+            r.tenant for r in [*sched.waiting_requests(), *self.structured.waiting_requests()]
+        )
         counters = sched.waiting.virtual_service()
         usage = sched.stats.tenants
         tenants: dict[str, TenantStats] = {}

@@ -14,7 +14,7 @@ from loraplex.engine.default_model import resolve_model_dir
 from loraplex.engine.info import EngineStats
 from loraplex.engine.output_processor import OutputProcessor
 from loraplex.outputs import RequestOutput
-from loraplex.sampling_params import SamplingParams
+from loraplex.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,11 @@ class LLMEngine:
     def validate_prompt(self, token_ids: list[int]) -> None:
         """Raise ValueError naming the field for a prompt the engine cannot serve."""
         validate_prompt(self.info, token_ids)
+
+    def check_constraint(self, constraint: StructuredOutputsParams) -> None:
+        """Compile ``constraint`` now (cached): ``GrammarError`` (a ValueError) when it cannot
+        be enforced. A request that carries it is then scheduled without waiting."""
+        self.core.structured.check(constraint)
 
     def add_request(
         self,

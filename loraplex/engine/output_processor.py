@@ -24,6 +24,7 @@ class _Sample:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -127,6 +128,7 @@ class OutputProcessor:
             if sample.finish_reason is None and out.finish_reason is not None:
                 sample.finish_reason = out.finish_reason
                 sample.stop_reason = out.stop_reason
+                sample.error = out.error
             if sample.finish_reason is not None:
                 self._sample_of.pop(out.request_id, None)
             changed[state.request_id] = state
@@ -175,6 +177,7 @@ class OutputProcessor:
                 stop_reason=s.stop_reason,
                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
                 cumulative_logprob=s.cumulative_logprob,
+                error=s.error,
             )
             for s in state.samples
         ]

@@ -108,7 +108,10 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds waiting to be scheduled; on the first output only
+    # finish_reason "error": why the engine could not serve the request (its structured-output
+    # constraint failed to compile, or its matcher failed), a message for the client
+    error: str | None = None

@@ -36,6 +36,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from loraplex.config import SchedulerConfig
 from loraplex.engine.admission import Service, check_tenant_weights
@@ -69,6 +70,25 @@ class SchedulerStats:
     tenants: dict[str | None, TenantUsage] = field(default_factory=dict)  # None: no tenant
 
 
+class TokenConstraints(Protocol):
+    """Structured output as the scheduler sees it (``engine/structured.py``): each generated
+    token of a constrained request is reported, and the constraint says when it is done."""
+
+    def advance(self, req: Request, token_id: int) -> bool:
+        """``req`` (with a constraint) generated ``token_id``: True when the constraint is
+        complete (the request stops). Raises when the constraint refuses the token or fails:
+        the scheduler then ends that request alone (finish_reason "error")."""
+        ...
+
+    def rollback(self, req: Request, num_tokens: int) -> None:
+        """``req`` forgets its last ``num_tokens`` output tokens."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or was aborted."""
+        ...
+
+
 class Scheduler:
     def __init__(
         self,
@@ -77,6 +97,7 @@ class Scheduler:
         max_model_len: int,
         max_loras: int = 1,
         waiting_queue: WaitingQueue | None = None,
+        constraints: TokenConstraints | None = None,
     ):
         self.config = config
         self.kv = kv
@@ -92,11 +113,13 @@ class Scheduler:
         # (victim, the waiting request it makes room for): preempted when the next step starts
         self._to_preempt: list[tuple[Request, Request]] = []
         self.tenant_weights: dict[str, float] = {}
+        self.constraints = constraints
         self.stats = SchedulerStats()
 
     # ---- requests in and out ---------------------------------------------------------------
 
-    def add_request(self, req: Request) -> None:
+    def check_request(self, req: Request) -> None:
+        """``ValueError`` for a request ``add_request`` would refuse."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if self.kv.blocks_needed(min(req.num_tokens + 1, self.max_model_len)) > (
@@ -107,8 +130,12 @@ class Scheduler:
                 f"({self.kv.num_usable_blocks} blocks of {self.kv.block_size}); "
                 "give the engine more KV memory or send a shorter prompt"
             )
+
+    def add_request(self, req: Request) -> None:
+        self.check_request(req)
         self.requests[req.request_id] = req
-        req.queued_time = time.monotonic()
+        if req.queued_time is None:  # set already when it waited for its grammar
+            req.queued_time = time.monotonic()
         leader = self.requests.get(req.parent_id) if req.parent_id else None
         if leader is not None and leader.num_output_tokens == 0 and not leader.status.finished:
             self._pending_forks.setdefault(leader.request_id, []).append(req)
@@ -164,7 +191,10 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None:
             raise ValueError(f"request {request_id!r} is not in the engine (finished or unknown)")
-        req.truncate(num_tokens)
+        dropped = req.num_tokens - num_tokens
+        req.truncate(num_tokens)  # checks num_tokens first
+        if self.constraints is not None and req.params.structured_outputs is not None:
+            self.constraints.rollback(req, dropped)
         req.num_computed_tokens = min(req.num_computed_tokens, num_tokens - 1)
         self.kv.trim(req, req.num_computed_tokens)
 
@@ -399,8 +429,10 @@ class Scheduler:
         tokens = result.sampled[req.request_id]
         queue_time = req.queue_time if req.num_output_tokens == 0 else None
         params = req.params
+        constraints = self.constraints if params.structured_outputs is not None else None
         status: RequestStatus | None = None
         stop_reason: int | None = None
+        error: str | None = None
         kept = 0
         for token in tokens:
             req.append_output_token(token)
@@ -410,9 +442,12 @@ class Scheduler:
             elif token in params.stop_ids:
                 status = RequestStatus.FINISHED_STOPPED
                 stop_reason = token
-            elif (
-                params.max_tokens is not None and req.num_output_tokens >= params.max_tokens
-            ) or req.num_tokens >= self.max_model_len:
+            elif constraints is not None:  # the constraint may end it here
+                status, error = _advance(constraints, req, token)
+            if status is None and (
+                (params.max_tokens is not None and req.num_output_tokens >= params.max_tokens)
+                or req.num_tokens >= self.max_model_len
+            ):
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 break
@@ -422,6 +457,7 @@ class Scheduler:
             num_cached_tokens=req.num_cached_tokens,
             stop_reason=stop_reason,
             queue_time=queue_time,
+            error=error,
         )
         logprobs = result.logprobs.get(req.request_id)
         if logprobs is not None:
@@ -438,7 +474,21 @@ class Scheduler:
         req.status = status
         self.kv.free(req.request_id)
         del self.requests[req.request_id]
+        if self.constraints is not None and req.params.structured_outputs is not None:
+            self.constraints.forget(req.request_id)
         self._finished_ids.append(req.request_id)
         # Samples still waiting on a leader that ends before finishing its prompt run alone.
         for sample in self._pending_forks.pop(req.request_id, []):
             self.waiting.add(sample)
+
+
+def _advance(
+    constraints: TokenConstraints, req: Request, token: int
+) -> tuple[RequestStatus | None, str | None]:
+    """Report ``token`` to the request's constraint: (None, None) to go on, (stopped, None)
+    when the constraint is complete, (error, why) when it failed."""
+    try:
+        done = constraints.advance(req, token)
+    except Exception as exc:
+        return RequestStatus.FINISHED_ERROR, str(exc) or type(exc).__name__
+    return (RequestStatus.FINISHED_STOPPED, None) if done else (None, None)

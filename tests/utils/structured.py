@@ -61,9 +61,13 @@ def byte_model(path: Path, seed: int = 0, **overrides: Any) -> str:
     return model_dir
 
 
+# Lark grammars the tests use -> a regex of the same language (to check outputs with ``re``)
+GRAMMAR_REGEXES = {'start: "x=" num ";"\nnum: /[1-9][0-9]{0,3}/': r"x=[1-9][0-9]{0,3};"}
+
+
 def satisfies(constraint: StructuredOutputsParams, text: str) -> bool:
     """Whether ``text`` is a complete output of ``constraint`` (json schemas validated with
-    jsonschema)."""
+    jsonschema; grammars through ``GRAMMAR_REGEXES``)."""
     kind = constraint.kind
     if kind in ("json", "json_object"):
         try:
@@ -84,4 +88,6 @@ def satisfies(constraint: StructuredOutputsParams, text: str) -> bool:
         return re.fullmatch(constraint.regex, text) is not None
     if kind == "choice":
         return text in (constraint.choice or ())
+    if kind == "grammar" and constraint.grammar in GRAMMAR_REGEXES:
+        return re.fullmatch(GRAMMAR_REGEXES[constraint.grammar], text) is not None
     raise ValueError(f"no checker for {kind}")

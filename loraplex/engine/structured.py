@@ -1,0 +1,259 @@
+"""Structured output in the engine: constraints compiled off the step, one matcher per
+constrained request, a token bitmask per sampling row each step, matchers advanced after.
+
+Owned by ``EngineCore``. A request with a constraint is held here (not in the scheduler) until
+its grammar is compiled by a worker thread (cached by ``constraint.key()``), then handed to the
+scheduler with a fresh matcher; the steps of every other request go on meanwhile. The
+scheduler sees this component only through ``TokenConstraints`` (``advance`` / ``rollback`` /
+``forget``), so it stays free of grammar code.
+
+Matcher invariant: a running request's matcher has consumed exactly its output tokens (a token
+that ends the request, EOS or a stop token id, is not fed to it). Preemption recomputes KV and
+keeps the output tokens, so the matcher stays as it is; ``Scheduler.rollback`` rolls it back.
+Errors never leave this component as exceptions of the step: a grammar that fails to compile,
+or a matcher that fails while filling a mask, ends only its own request (finish_reason
+"error", with the message in ``EngineCoreOutput.error``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from loraplex.engine.records import SchedulerOutput
+from loraplex.engine.request import Request
+from loraplex.grammar import CACHE_SIZE, CompiledGrammar, GrammarBackend, GrammarError
+from loraplex.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+COMPILE_THREADS = 2  # a slow schema does not hold up the compile of the next one
+IDLE_WAIT = 0.05  # seconds a step with nothing to run waits for a compile to finish
+
+
+@dataclass
+class _Waiting:
+    request: Request
+    future: Future[CompiledGrammar]
+
+
+class StructuredOutputs:
+    """The engine's structured-output component. ``backend_factory`` builds the grammar backend
+    (on a worker thread, at the first constrained request: building a tokenizer's index takes
+    about half a second); ``GrammarError`` from it fails the constrained requests only."""
+
+    def __init__(self, backend_factory: Callable[[], GrammarBackend]) -> None:
+        self._factory = backend_factory
+        self._backend: Future[GrammarBackend] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        # constraint key -> its compile (done or running); LRU over finished ones
+        self._compiled: OrderedDict[str, Future[CompiledGrammar]] = OrderedDict()
+        self._waiting: dict[str, _Waiting] = {}  # request id -> held until its grammar is ready
+        self._matchers: dict[str, Any] = {}  # request id -> GrammarMatcher
+        self._failed: dict[str, str] = {}  # request id -> why its matcher failed in a mask fill
+        self.num_compiles = 0
+        self.compile_seconds = 0.0  # total, in the worker threads
+
+    # ---- compiling -------------------------------------------------------------------------
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                COMPILE_THREADS, thread_name_prefix="loraplex-grammar"
+            )
+        return self._executor
+
+    def _backend_now(self) -> GrammarBackend:
+        """The backend (building it on this thread when no one has yet)."""
+        if self._backend is None:
+            self._backend = self._pool().submit(self._factory)
+        return self._backend.result()
+
+    def _compile(self, constraint: StructuredOutputsParams) -> CompiledGrammar:
+        start = time.perf_counter()
+        try:
+            return self._backend_now().compile(constraint)
+        finally:
+            self.num_compiles += 1
+            self.compile_seconds += time.perf_counter() - start
+
+    def compile_async(self, constraint: StructuredOutputsParams) -> Future[CompiledGrammar]:
+        """The compile of ``constraint``: cached, or started now on a worker thread."""
+        key = constraint.key()
+        future = self._compiled.get(key)
+        if future is not None:
+            failed = future.done() and future.exception() is not None
+            if not failed or isinstance(future.exception(), GrammarError):
+                self._compiled.move_to_end(key)
+                return future
+        # A failure other than GrammarError (a backend bug, a resource error) is not kept:
+        # the next request with this constraint compiles it again.
+        if self._backend is None:
+            self._backend = self._pool().submit(self._factory)
+        future = self._pool().submit(self._compile, constraint)
+        self._compiled[key] = future
+        while len(self._compiled) > CACHE_SIZE:
+            oldest, f = next(iter(self._compiled.items()))
+            if not f.done():
+                break
+            del self._compiled[oldest]
+        return future
+
+    def check(self, constraint: StructuredOutputsParams) -> None:
+        """Compile now and wait (the offline API validates before it runs anything);
+        ``GrammarError`` when the constraint cannot be enforced."""
+        try:
+            self.compile_async(constraint).result()
+        except GrammarError:
+            raise
+        except Exception as exc:
+            raise GrammarError(_failure(exc)) from exc
+
+    # ---- requests in ---------------------------------------------------------------------
+
+    def admit(self, req: Request) -> bool:
+        """True when ``req`` may go to the scheduler now (no constraint, or its grammar is
+        compiled: its matcher is made). Otherwise it waits here for ``take_ready``."""
+        constraint = req.params.structured_outputs
+        if constraint is None:
+            return True
+        if req.request_id in self._waiting:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        future = self.compile_async(constraint)
+        if future.done() and future.exception() is None:
+            self._matchers[req.request_id] = future.result().matcher()
+            return True
+        if req.queued_time is None:
+            req.queued_time = time.monotonic()  # the compile wait is queue time too
+        self._waiting[req.request_id] = _Waiting(req, future)
+        return False
+
+    def take_ready(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """The held requests whose grammar is ready (matchers made), in arrival order, and
+        those whose compile failed, each with the message for its client."""
+        ready: list[Request] = []
+        failed: list[tuple[Request, str]] = []
+        if not self._waiting:
+            return ready, failed
+        for rid, w in list(self._waiting.items()):
+            if not w.future.done():
+                continue
+            del self._waiting[rid]
+            exc = w.future.exception()
+            if exc is None:
+                try:
+                    self._matchers[rid] = w.future.result().matcher()
+                except Exception as e:
+                    failed.append((w.request, _failure(e)))
+                    continue
+                ready.append(w.request)
+            else:
+                failed.append((w.request, _failure(exc)))
+        return ready, failed
+
+    def abort(self, request_ids: list[str]) -> list[str]:
+        """Drop the held requests among ``request_ids``; returns the others (the scheduler's)."""
+        rest = []
+        for rid in request_ids:
+            if self._waiting.pop(rid, None) is None:
+                rest.append(rid)
+        return rest
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def waiting_requests(self) -> Iterator[Request]:
+        return (w.request for w in self._waiting.values())
+
+    def wait(self, timeout: float = IDLE_WAIT) -> None:
+        """Block until a held request's compile finishes, at most ``timeout`` seconds (a step
+        with nothing else to do calls it, so the engine loop does not spin)."""
+        pending = {w.future for w in self._waiting.values()}
+        if pending:
+            cf.wait(pending, timeout=timeout, return_when=cf.FIRST_COMPLETED)
+
+    # ---- each step -----------------------------------------------------------------------
+
+    def fill_masks(self, out: SchedulerOutput) -> None:
+        """Put the allowed-token bitmask of every constrained sampling row (forks under their
+        own ids) into ``out.token_masks``."""
+        ids = [s.request_id for s in out.requests if s.sample and s.params.structured_outputs]
+        ids += [f.request_id for f in out.forks if f.params.structured_outputs]
+        rows = [(self._matchers[rid], rid) for rid in ids if rid in self._matchers]
+        if not rows:
+            return
+        backend = self._backend_now()
+        words = -(-backend.vocab_size // 32)
+        bitmask = np.zeros((len(rows), words), dtype=np.int32)  # [R, ceil(V / 32)]
+        pairs = [(m, i) for i, (m, _) in enumerate(rows)]
+        try:
+            backend.fill_bitmasks(pairs, bitmask)
+        except Exception:  # find the matcher that failed; the others keep their masks
+            for m, i in pairs:
+                try:
+                    m.fill_bitmask(bitmask, i)
+                except Exception as exc:
+                    self._failed[rows[i][1]] = _failure(exc)
+        for i, (m, rid) in enumerate(rows):
+            if rid in self._failed:
+                continue
+            why = m.error
+            if why is not None or not bitmask[i].any():
+                self._failed[rid] = why or "the grammar allows no token here"
+                continue
+            out.token_masks[rid] = bitmask[i]
+
+    # ---- TokenConstraints: what the scheduler calls --------------------------------------
+
+    def advance(self, req: Request, token_id: int) -> bool:
+        """``req`` generated ``token_id`` (already appended): True when its constraint is
+        complete. Raises ``GrammarError`` when the token is refused or the matcher failed."""
+        rid = req.request_id
+        why = self._failed.pop(rid, None)
+        if why is not None:
+            raise GrammarError(why)
+        matcher = self._matchers.get(rid)
+        if matcher is None:
+            raise GrammarError("the request's grammar matcher is missing (an engine bug)")
+        if token_id in req.eos_token_ids and matcher.is_accepting():
+            return True  # EOS where the grammar may end (an ignore_eos request)
+        if not matcher.accept_token(token_id):
+            raise GrammarError(
+                f"the grammar refused token {token_id}: {matcher.error or 'not allowed here'}"
+            )
+        return bool(matcher.is_terminated())
+
+    def rollback(self, req: Request, num_tokens: int) -> None:
+        """``req`` forgets its last ``num_tokens`` output tokens."""
+        matcher = self._matchers.get(req.request_id)
+        if matcher is not None and num_tokens > 0:
+            matcher.rollback(num_tokens)
+        self._failed.pop(req.request_id, None)
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or was aborted."""
+        self._matchers.pop(request_id, None)
+        self._failed.pop(request_id, None)
+        self._waiting.pop(request_id, None)
+
+    def has_matcher(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _failure(exc: BaseException) -> str:
+    if isinstance(exc, GrammarError):
+        return str(exc)
+    return f"the structured-output backend failed: {type(exc).__name__}: {exc}"
