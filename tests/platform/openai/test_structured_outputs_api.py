@@ -61,7 +61,12 @@ def _error(r: Any) -> dict[str, Any]:
 SPELLINGS: list[tuple[dict[str, Any], StructuredOutputsParams]] = [
     ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
     (
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "p", "schema": PERSON},
+            }
+        },
         StructuredOutputsParams(json=PERSON),
     ),
     (

@@ -51,8 +51,8 @@ class StreamedCalls:
 
 
 def delta_of(piece: Piece) -> dict[str, Any]:
-    """A stream delta: content, then the calls' deltas (a call's first names it; its arguments'
-    fragments follow, consecutive ones of a call joined)."""
+    """A stream delta: content, then the calls' deltas (a call's first names it, with empty
+    arguments; its arguments' fragments follow, consecutive ones of a call joined)."""
     delta: dict[str, Any] = {}
     if piece.content:
         delta["content"] = piece.content
@@ -67,7 +67,7 @@ def delta_of(piece: Piece) -> dict[str, Any]:
                     "function": {"name": d.name, "arguments": d.arguments},
                 }
             )
-        elif calls and calls[-1]["index"] == d.index:
+        elif calls and calls[-1]["index"] == d.index and "id" not in calls[-1]:
             calls[-1]["function"]["arguments"] += d.arguments
         else:
             calls.append({"index": d.index, "function": {"arguments": d.arguments}})

@@ -27,8 +27,10 @@ from typing import Any
 
 from loraplex.platform.openai.tools.formats import END, START
 
+# A call's start, up to its arguments object's "{" (a call announced only once its arguments
+# are known to be an object: anything else is read whole at the block's end).
 _HEADER = re.compile(
-    r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+    r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
 )
 _WS = " \t\r\n"
 
@@ -330,7 +332,8 @@ class ToolCallParser:
                 break
             call = ParsedCall(new_call_id(), name, arguments, valid=True)
             self.calls.append(call)
-            piece.calls.append(ToolCallDelta(index, call.id, name, arguments))
+            piece.calls.append(ToolCallDelta(index, call.id, name, ""))  # named first,
+            piece.calls.append(ToolCallDelta(index, arguments=arguments))  # as always
 
 
 def _is_object(text: str) -> bool:
