@@ -77,7 +77,7 @@ async def tokenize(
         raise invalid_request(
             "Send either prompt (a text) or messages (a chat conversation), not both and not "
             "neither.",
-            "prompt" if body.prompt is not None else "messages",
+            "messages" if body.prompt is not None else "prompt",
             "invalid_value",
         )
     text_len = len(body.prompt) if body.prompt is not None else _messages_chars(body.messages)
