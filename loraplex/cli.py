@@ -115,6 +115,20 @@ def build_parser() -> argparse.ArgumentParser:
             ),
         )
     )
+    from loraplex.bench.structured import add_structured_arguments
+
+    add_structured_arguments(
+        benches.add_parser(
+            "structured",
+            help="structured output's cost: constrained vs unconstrained time per output token",
+            description=(
+                "On the model (offline LLM, one process): time per output token of requests "
+                "constrained by a JSON schema against unconstrained ones at each batch size, "
+                "in paired alternating runs (median), and a step-time trace while a slow schema "
+                "compiles (other requests' steps go on). Writes JSON to --output-dir."
+            ),
+        )
+    )
     from loraplex.platform.admin_cli import add_commands as add_platform_commands
 
     add_platform_commands(commands, _Parser)
@@ -341,6 +355,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from loraplex.bench.fairness_options import options_from
 
             run_fairness(options_from(args))
+            return 0
+        if args.command == "bench" and args.bench == "structured":
+            from loraplex.bench.structured import options_from as structured_options
+            from loraplex.bench.structured import run_structured
+
+            run_structured(structured_options(args))
             return 0
         if args.command in ("db", "admin"):
             from loraplex.platform.admin_cli import run as run_platform_command

@@ -62,6 +62,14 @@ class StructuredOutputs:
         self.num_compiles = 0
         self.compile_seconds = 0.0  # total, in the worker threads
 
+    def wrap_backend(self, wrap: Callable[[GrammarBackend], GrammarBackend]) -> None:
+        """Put ``wrap`` around the backend when it is built (benchmarks' and tests' hooks:
+        a held compile, injected faults). Only before the first constrained request."""
+        if self._backend is not None:
+            raise RuntimeError("the grammar backend is built already; wrap it before first use")
+        factory = self._factory
+        self._factory = lambda: wrap(factory())
+
     # ---- compiling -------------------------------------------------------------------------
 
     def _pool(self) -> ThreadPoolExecutor:
@@ -170,6 +178,10 @@ class StructuredOutputs:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    def is_waiting(self, request_id: str) -> bool:
+        """Whether the request waits here for its grammar."""
+        return request_id in self._waiting
 
     def waiting_requests(self) -> Iterator[Request]:
         return (w.request for w in self._waiting.values())

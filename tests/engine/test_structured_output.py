@@ -330,7 +330,7 @@ def gated_engine(model_dir: str, **knobs: Any) -> tuple[LLMEngine, GatedBackend]
     engine = engine_for(model_dir, **knobs)
     core = engine.core
     gated = GatedBackend(LLGuidanceBackend(engine.tokenizer, core.vocab_size, core.eos_token_ids))
-    core.structured._factory = lambda: gated
+    core.structured.wrap_backend(lambda inner: gated)
     return engine, gated
 
 
@@ -431,3 +431,41 @@ def test_a_core_built_without_a_tokenizer_loads_it_for_its_first_constraint(
 ) -> None:
     core = EngineCore(engine_config(model_dir, num_blocks=64, max_model_len=128), model_dir)
     core.structured.check(SO(choice=["x"]))
+
+
+@pytest.mark.parametrize("kind", ["inproc", "proc"])
+def test_engine_clients_carry_constraints_and_errors(model_dir: str, kind: str) -> None:
+    """Through either client (the child process: SamplingParams pickle across the pipe, the
+    matchers live in the engine process): valid outputs, and a grammar the engine cannot
+    compile comes back as finish_reason "error" with the message; the engine keeps serving."""
+    from loraplex.engine.client import RequestDelta
+    from tests.utils.clients import collect, engine_config, sample_tokens, start_client, stop_client
+
+    served = start_client(kind, engine_config(model_dir, max_model_len=256), model_dir)
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        prompt = tok("client").input_ids
+        good = params(COMPACT, temperature=1.0, seed=4, n=2)
+        bad = params(SO(json={"type": "array", "uniqueItems": True}))
+
+        async def both() -> tuple[list[RequestDelta], list[RequestDelta]]:
+            import asyncio
+
+            client = served.client
+            return await asyncio.gather(
+                collect(client.generate("good", prompt, good)),
+                collect(client.generate("bad", prompt, bad)),
+            )
+
+        good_deltas, bad_deltas = served.run(both())
+        for index in range(2):
+            text = tok.decode(sample_tokens(good_deltas, index), skip_special_tokens=True)
+            assert satisfies(COMPACT, text), text
+        (last,) = [d for d in bad_deltas if d.finish_reason is not None]
+        assert last.finish_reason == "error" and last.error and '"uniqueItems"' in last.error
+        again = served.run(collect(served.client.generate("again", prompt, good)))
+        assert {d.finish_reason for d in again if d.finish_reason} == {"stop"}
+    finally:
+        stop_client(served)
