@@ -23,6 +23,12 @@ with the registry for a tenant's adapters; the chat template and tokenizing off 
 (no tenant, model ``playground:<tenant>/<model>``): a tenant is never billed for the console's
 experiments. ``max_tokens`` is at most ``MAX_TOKENS``; greedy by default, so the two answers differ
 only by the adapter.
+
+The form's optional "JSON schema" box constrains both sides to JSON matching that schema (the
+same structured-output path as the API's ``response_format`` json_schema). A schema that is not
+JSON, too large, or one the grammar backend cannot enforce is an inline error on the field
+(without scripts, the page comes back with it; with scripts, a 400 whose ``param`` is
+``schema``), and nothing runs.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from sqlalchemy.orm import Session
 from starlette.responses import Response
 
 from loraplex.engine.client import EngineDeadError
+from loraplex.grammar import MAX_SCHEMA_CHARS
 from loraplex.platform import tenants as tenant_service
 from loraplex.platform.auth import SCOPE_INFERENCE, Caller
 from loraplex.platform.errors import APIError, engine_unavailable, invalid_request
@@ -94,6 +101,7 @@ class Trial:
     prompt: str
     max_tokens: int
     temperature: float
+    schema: dict[str, Any] | None = None  # both answers must match it (JSON)
 
     def sides(self, base_name: str) -> list[tuple[Side, str]]:
         """(side, model) to run: the base model, and the chosen model when it is an adapter."""
@@ -110,7 +118,23 @@ def form_values(admin: Admin) -> dict[str, str]:
         "prompt": admin.field("prompt")[: MAX_PROMPT_CHARS + 1],
         "max_tokens": admin.field("max_tokens").strip()[:12],
         "temperature": admin.field("temperature").strip()[:12],
+        "schema": admin.field("schema")[: 4 * MAX_SCHEMA_CHARS + 1],
     }
+
+
+def parse_schema(text: str) -> tuple[dict[str, Any] | None, str | None]:
+    """The schema box: (schema, None), (None, None) when blank, (None, what is wrong)."""
+    if not text.strip():
+        return None, None
+    if len(text) > 4 * MAX_SCHEMA_CHARS:
+        return None, f"The schema is longer than {4 * MAX_SCHEMA_CHARS:,} characters; shorten it."
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        return None, f"The schema is not valid JSON: {exc}."
+    if not isinstance(schema, dict):
+        return None, 'The schema must be a JSON object, such as {"type": "object", ...}.'
+    return schema, None
 
 
 def parse_trial(values: dict[str, str], base_name: str) -> tuple[Trial | None, FormErrors]:
@@ -130,10 +154,13 @@ def parse_trial(values: dict[str, str], base_name: str) -> tuple[Trial | None, F
         temperature = -1.0
     if not 0.0 <= temperature <= MAX_TEMPERATURE:  # also refuses nan
         errors["temperature"] = f"Temperature: a number from 0 (greedy) to {MAX_TEMPERATURE:g}."
+    schema, schema_error = parse_schema(values.get("schema", ""))
+    if schema_error:
+        errors["schema"] = schema_error
     if errors:
         return None, errors
     model = values["model"] or base_name
-    return Trial(values["tenant"], model, prompt, max_tokens, temperature), errors
+    return Trial(values["tenant"], model, prompt, max_tokens, temperature, schema), errors
 
 
 async def caller_for(request: Request, tenant: str) -> Caller:
@@ -203,6 +230,7 @@ async def open_run(
             temperature=trial.temperature,
             seed=SEED if trial.temperature > 0 else None,
             request_id=rid,
+            schema=trial.schema,
         )
     except APIError as exc:
         if exc.code == "context_length_exceeded" and "shorten the prompt" not in exc.message:
@@ -357,6 +385,7 @@ async def playground(request: Request, admin: SignedIn) -> Response:
         "prompt": "",
         "max_tokens": str(DEFAULT_MAX_TOKENS),
         "temperature": "0",
+        "schema": "",
     }
     return await _page(request, admin, values)
 
@@ -373,6 +402,11 @@ async def run_both(request: Request, admin: FormPost) -> Response:
         caller = await caller_for(request, trial.tenant)
     except APIError as exc:
         errors["tenant"] = exc.message
+        return await _page(request, admin, values, errors=errors, status=exc.status)
+    try:
+        await _serving(request).check_console_schema(trial.schema)
+    except APIError as exc:  # too large, or the backend cannot enforce it: before any run
+        errors["schema"] = exc.message
         return await _page(request, admin, values, errors=errors, status=exc.status)
     answers = await asyncio.gather(
         *(answer(request, caller, trial, side, name) for side, name in trial.sides(base))
@@ -435,6 +469,7 @@ async def stream(request: Request, admin: FormPost) -> Response:
             param="side",
         )
     caller = await caller_for(request, trial.tenant)
+    await _serving(request).check_console_schema(trial.schema)  # a 400 with param "schema"
     run = await open_run(request, caller, trial, *chosen)
     # SSEResponse: a browser that goes away (or presses Stop) aborts the run at once.
     response = SSEResponse(_stream(request, run), headers={"Cache-Control": "no-store"})

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +56,12 @@ from loraplex.platform.openai.protocol import (
     Usage,
 )
 from loraplex.platform.openai.sse import DONE, SSEResponse, sse
-from loraplex.platform.openai.structured import Constraint, ConstraintChecker, request_constraint
+from loraplex.platform.openai.structured import (
+    Constraint,
+    ConstraintChecker,
+    check_schema,
+    request_constraint,
+)
 from loraplex.platform.openai.tools.constraint import with_tools
 from loraplex.platform.openai.tools.formats import template_tools
 from loraplex.platform.openai.tools.output import StreamedCalls, whole_message
@@ -343,12 +348,15 @@ class OpenAIServing:
         temperature: float,
         seed: int | None,
         request_id: str,
+        schema: Mapping[str, Any] | None = None,
     ) -> ConsoleRun:
         """One prompt the way the API would run it for ``caller`` (the admin UI's playground):
         the model resolved for the caller, ``text`` as a user message through the chat template
         (as plain text when the model has none), tokenized off the event loop with the same
-        context checks, ``max_tokens`` cut to the room the prompt leaves. No quotas: the
+        context checks, ``max_tokens`` cut to the room the prompt leaves; ``schema``: the
+        answer is JSON matching it (checked as ``check_console_schema`` does). No quotas: the
         console is the operator's. ``APIError`` says why it cannot run."""
+        structured = await self.check_console_schema(schema)
         model = await self.resolver.lookup(caller, model_name)
         if not self.client.healthy:
             raise engine_unavailable()
@@ -377,10 +385,24 @@ class OpenAIServing:
                 "context_length_exceeded",
             )
         params = SamplingParams(
-            max_tokens=min(max_tokens, room), temperature=temperature, seed=seed
+            max_tokens=min(max_tokens, room),
+            temperature=temperature,
+            seed=seed,
+            structured_outputs=structured,
         )
         gen = self._open(request_id, [prompt], params, model, caller, "prompt", tokenizer)
         return ConsoleRun(model, gen, min(max_tokens, room))
+
+    async def check_console_schema(
+        self, schema: Mapping[str, Any] | None
+    ) -> StructuredOutputsParams | None:
+        """The console's JSON schema as a constraint, bounded and compiled (off the event
+        loop); ``APIError`` (param ``schema``) when it is too large or cannot be enforced."""
+        if schema is None:
+            return None
+        check_schema(schema, "schema")
+        constraint = Constraint(StructuredOutputsParams(json=dict(schema)), "schema")
+        return await self._compiled(constraint, await self.tokenizer())
 
     # ---- shared ------------------------------------------------------------------------------
 

@@ -50,11 +50,48 @@
     return [name, data.length ? JSON.parse(data.join("\n")) : null];
   }
 
+  // A 400 about one of the form's fields (the JSON schema box) is shown under that field too,
+  // as the page without scripts shows it; the field's hint comes back on the next run.
+  function showFieldError(name, message) {
+    var input = form.querySelector("#f-" + name);
+    var box = input && input.closest(".field");
+    if (!box) return;
+    var help = box.querySelector(".field-error, .field-hint");
+    if (!help) {
+      help = document.createElement("p");
+      help.id = "f-" + name + "-help";
+      box.appendChild(help);
+    }
+    if (!help.hasAttribute("data-hint") && help.classList.contains("field-hint")) {
+      help.setAttribute("data-hint", help.textContent);
+    }
+    help.className = "field-error";
+    help.textContent = message;
+    box.classList.add("has-error");
+    input.setAttribute("aria-invalid", "true");
+  }
+
+  function clearFieldError(name) {
+    var input = form.querySelector("#f-" + name);
+    var box = input && input.closest(".field");
+    if (!box || !box.classList.contains("has-error")) return;
+    var help = box.querySelector(".field-error");
+    if (help && help.hasAttribute("data-hint")) {
+      help.className = "field-hint";
+      help.textContent = help.getAttribute("data-hint");
+    }
+    box.classList.remove("has-error");
+    input.removeAttribute("aria-invalid");
+  }
+
   function failureMessage(response) {
     return response.text().then(function (text) {
       try {
         var body = JSON.parse(text);
-        if (body && body.error && body.error.message) return body.error.message;
+        if (body && body.error && body.error.message) {
+          if (body.error.param === "schema") showFieldError("schema", body.error.message);
+          return body.error.message;
+        }
       } catch (e) { /* not JSON: an HTML page */ }
       if (response.status === 403) {
         return "The request was refused: your session may have ended. Reload the page and sign in again.";
@@ -154,6 +191,7 @@
     running = controller;
     var model = form.elements.model ? form.elements.model.value : baseModel;
     var sides = model && model !== baseModel ? ["base", "adapter"] : ["base"];
+    clearFieldError("schema");
     answers.hidden = false;
     column("adapter").hidden = sides.length < 2;
     column("base").hidden = false;
