@@ -81,10 +81,12 @@ def tokenizer_copy(path: Path, chat_template: str | None = None) -> str:
 @dataclass
 class ScriptedEngine(FakeEngineClient):
     """Every sample writes the token ids of ``script(sample index)`` (one token per step), then
-    EOS (``stop``); ``max_tokens`` cuts it (``length``). ``tokenize``: text -> ids."""
+    EOS (``stop``); ``max_tokens`` cuts it (``length``); ``error_after`` tokens, the engine ends
+    it with ``finish_reason: "error"``. ``tokenize``: text -> ids."""
 
     tokenize: Callable[[str], list[int]] = field(default=lambda text: [])
     texts: list[str] = field(default_factory=lambda: [""])
+    error_after: int | None = None  # then finish_reason "error", as a constraint failing
     vocab_size: int = 49152
     max_model_len: int = 4096
 
@@ -106,6 +108,12 @@ class ScriptedEngine(FakeEngineClient):
                         continue
                     token = ids[step]
                     finish = None
+                    if self.error_after is not None and step >= self.error_after:
+                        done[j] = True
+                        yield RequestDelta(
+                            sub.request_id, j, [], None, "error", None, 0, None, "matcher failed"
+                        )
+                        continue
                     if step == len(ids) - 1:
                         finish = "stop"
                     elif step + 1 >= limit:

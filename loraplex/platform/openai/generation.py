@@ -28,6 +28,12 @@ from loraplex.engine.records import TokenLogprobs
 from loraplex.sampling_params import SamplingParams
 
 
+class EngineRequestError(Exception):
+    """The engine ended a sample with ``finish_reason: "error"`` (its structured-output
+    constraint failed to compile or to match in the engine); the message is the engine's. The
+    request is lost, the engine is fine."""
+
+
 @dataclass
 class ChoiceEvent:
     index: int
@@ -158,6 +164,9 @@ class Generation:
                 await _close(run.stream)  # aborts the samples still running, if any
 
     def _advance(self, choice: _Choice, delta: RequestDelta) -> ChoiceEvent:
+        if delta.finish_reason == "error":
+            self.finish_reasons[choice.index] = "error"
+            raise EngineRequestError(delta.error or "the engine could not serve this request")
         ids = delta.new_token_ids
         self.usage.completion_tokens += len(ids)
         if ids:

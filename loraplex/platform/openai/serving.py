@@ -33,7 +33,12 @@ from loraplex.platform.errors import (
 )
 from loraplex.platform.model_resolver import ModelResolver, ResolvedModel
 from loraplex.platform.openai import logprobs as lp
-from loraplex.platform.openai.generation import ChoiceEvent, Generation, GenerationUsage
+from loraplex.platform.openai.generation import (
+    ChoiceEvent,
+    EngineRequestError,
+    Generation,
+    GenerationUsage,
+)
 from loraplex.platform.openai.params import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     default_max_tokens,
@@ -520,6 +525,8 @@ class OpenAIServing:
             return await _until_disconnect(request, run)
         except AdapterNotLoadedError:  # deleted before the request reached the engine
             raise adapter_gone() from None
+        except EngineRequestError as exc:
+            raise request_failed(exc) from None
         finally:
             account(record, gen)
 
@@ -687,6 +694,21 @@ def adapter_gone() -> APIError:
     )
 
 
+def request_failed(exc: EngineRequestError) -> APIError:
+    """The engine could not serve the request (a constraint that passed the platform's check
+    failed in the engine): a server error, and the engine serves on."""
+    logger.warning("the engine failed a request: %s", exc)
+    return APIError(
+        500,
+        f"The engine could not finish this request: {sentence(str(exc))} Its output "
+        "constraint passed the server's checks but failed in the engine (a server bug, not "
+        "your input); other requests are unaffected. Retry, or send the request without its "
+        "constraint.",
+        type=SERVER_ERROR,
+        code="structured_output_failed",
+    )
+
+
 def _stream_error(exc: Exception) -> APIError:
     if isinstance(exc, APIError):
         return exc
@@ -694,6 +716,8 @@ def _stream_error(exc: Exception) -> APIError:
         return engine_unavailable(str(exc) or "it stopped")
     if isinstance(exc, AdapterNotLoadedError):
         return adapter_gone()
+    if isinstance(exc, EngineRequestError):
+        return request_failed(exc)
     if isinstance(exc, ValueError):
         return invalid_request(sentence(str(exc)), code="invalid_request")
     logger.exception("internal error in a stream")

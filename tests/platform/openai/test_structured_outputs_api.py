@@ -346,3 +346,27 @@ async def test_official_client_parse_with_a_pydantic_model(api: ScriptedAPI) -> 
     assert sent is not None and sent.json is not None
     schema = dict(sent.json)  # what the client sends for a pydantic model: a strict schema
     assert schema["required"] == ["name", "age"] and schema["additionalProperties"] is False
+
+
+# ---- a constraint failing in the engine ------------------------------------------------------
+
+
+async def test_a_constraint_failing_in_the_engine_is_a_server_error(api: ScriptedAPI) -> None:
+    """The engine ends the sample with finish_reason "error" (its matcher failed): a 500 that
+    says so, or a last error event of a stream; the next request is served."""
+    from tests.utils.app import sse_events
+
+    api.engine.error_after = 3
+    body = {**CHAT, "guided_regex": "[a-z ]+"}
+    r = await api.http.post(PATHS["chat"], json=body)
+    assert r.status_code == 500, r.text
+    error = r.json()["error"]
+    assert error["code"] == "structured_output_failed" and "matcher failed" in error["message"]
+    r = await api.http.post(PATHS["chat"], json={**body, "stream": True})
+    assert r.status_code == 200
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "structured_output_failed"
+    api.engine.error_after = None
+    r = await api.http.post(PATHS["chat"], json=body)
+    assert r.status_code == 200, r.text
