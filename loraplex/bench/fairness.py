@@ -148,10 +148,12 @@ async def _flood(load: Load, platform: Platform, opts: FairnessOptions) -> dict[
     )
     await asyncio.sleep(opts.warmup_s)
     sums = await platform.latency_sums()
+    preempted = (await platform.engine())["num_preemptions"]
     start = time.monotonic()
     b = await load.every("b", opts.b_interval_s, start + opts.flood_s, opts.b_max_tokens)
     end = start + opts.flood_s
     server = server_means(sums, await platform.latency_sums(), load.tenant_ids)
+    preempted = (await platform.engine())["num_preemptions"] - preempted
     stop.set()
     await flood
     tokens = tokens_by_tenant(load.records, start, end)
@@ -159,6 +161,7 @@ async def _flood(load: Load, platform: Platform, opts: FairnessOptions) -> dict[
         "window_s": round(end - start, 2),
         "b_ttft": ttft_summary(b),
         "server": server,
+        "preemptions": preempted,
         "b_ttft_over_time": [[round(r.sent - t0, 2), round_or_none(r.ttft)] for r in b],
         "output_tokens_per_s": round(sum(tokens.values()) / (end - start), 2),
         "tokens": {t: round(n, 1) for t, n in tokens.items()},
