@@ -130,6 +130,8 @@ def parse_schema(text: str) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"The schema is longer than {4 * MAX_SCHEMA_CHARS:,} characters; shorten it."
     try:
         schema = json.loads(text)
+    except RecursionError:
+        return None, "The schema nests too deep to read; flatten it."
     except ValueError as exc:
         return None, f"The schema is not valid JSON: {exc}."
     if not isinstance(schema, dict):

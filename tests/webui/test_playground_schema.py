@@ -102,6 +102,8 @@ async def test_a_schema_constrains_both_sides(
 BAD = [
     ("{not json", "not valid JSON"),
     ("[1, 2]", "must be a JSON object"),
+    ("[" * 50_000, "nests too deep"),
+    ('{"type": "object", "items": ' + "[" * 70 + "]" * 70 + "}", "levels deep"),
     (json.dumps({"type": "object", "properties": {"a": {"type": "strin"}}}), "strin"),
     (
         json.dumps({"type": "object", "description": "x" * MAX_SCHEMA_CHARS}),

@@ -219,6 +219,8 @@ def _schema_value(value: Any, param: str) -> dict[str, Any]:
             raise _schema_too_large(param, len(value))
         try:
             value = json.loads(value)
+        except RecursionError:
+            raise _too_deep(param) from None
         except ValueError as exc:
             raise invalid_request(
                 f"{param} is a string that is not valid JSON ({shorten(str(exc), 120)}); send "
@@ -240,18 +242,22 @@ def _schema_value(value: Any, param: str) -> dict[str, Any]:
 def check_schema(schema: Mapping[str, Any], param: str) -> None:
     """400 when ``schema`` is longer than ``MAX_SCHEMA_CHARS`` as compact JSON or nested deeper
     than ``MAX_SCHEMA_DEPTH``."""
+    depth = _depth(schema)  # first: a deep value would overflow json.dumps' recursion
+    if depth > MAX_SCHEMA_DEPTH:
+        raise _too_deep(param)
     size = len(json.dumps(schema, separators=(",", ":")))
     if size > MAX_SCHEMA_CHARS:
         raise _schema_too_large(param, size)
-    depth = _depth(schema)
-    if depth > MAX_SCHEMA_DEPTH:
-        raise invalid_request(
-            f"{param} nests objects and arrays {depth} levels deep; at most "
-            f"{MAX_SCHEMA_DEPTH} are allowed. Flatten the schema (a $ref to a definition "
-            "counts once).",
-            param,
-            "schema_too_deep",
-        )
+
+
+def _too_deep(param: str) -> APIError:
+    return invalid_request(
+        f"{param} nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels deep; at most "
+        f"{MAX_SCHEMA_DEPTH} are allowed. Flatten the schema (repeated parts can be $defs, "
+        "referenced with $ref).",
+        param,
+        "schema_too_deep",
+    )
 
 
 def _schema_too_large(param: str, size: int) -> APIError:

@@ -219,6 +219,7 @@ BAD: list[tuple[dict[str, Any], str, str, str]] = [
     ({"structured_outputs": {"choice": "yes"}}, "structured_outputs.choice", "invalid_type", ""),
     ({"structured_outputs": {"json": [1]}}, "structured_outputs.json", "invalid_schema", ""),
     ({"guided_json": "{not json"}, "guided_json", "invalid_schema", "not valid JSON"),
+    ({"guided_json": "[" * 50_000}, "guided_json", "schema_too_deep", "levels deep"),
     ({"structured_outputs": {}}, "structured_outputs", "missing_constraint", "give one of"),
     (
         {"structured_outputs": {"regexp": "a"}},

@@ -617,7 +617,7 @@ async def test_official_client_tools_streamed_and_parsed(qwen_api: ScriptedAPI) 
     model = Path(qwen_api.engine.model_dir).name
     done = await client.chat.completions.parse(
         model=model,
-        messages=USER,  # type: ignore[arg-type]
+        messages=USER,
         tools=[openai.pydantic_function_tool(GetWeather)],
         tool_choice="required",
     )
@@ -627,7 +627,7 @@ async def test_official_client_tools_streamed_and_parsed(qwen_api: ScriptedAPI) 
 
     async with client.chat.completions.stream(
         model=model,
-        messages=USER,  # type: ignore[arg-type]
+        messages=USER,
         tools=[openai.pydantic_function_tool(GetWeather)],
     ) as stream:
         async for _ in stream:

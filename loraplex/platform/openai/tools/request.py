@@ -124,7 +124,8 @@ def tool_plan(body: ToolFields) -> ToolPlan | None:
             "unknown_tool",
         )
     parallel = body.parallel_tool_calls is not False
-    return ToolPlan(tuple(tools), mode, parallel, named)  # type: ignore[arg-type]
+    chosen: Choice = "named" if named is not None else "required" if mode == "required" else "auto"
+    return ToolPlan(tuple(tools), chosen, parallel, named)
 
 
 def _tools(body: ToolFields) -> list[Tool]:
