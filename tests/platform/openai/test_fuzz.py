@@ -34,6 +34,8 @@ OPERATIONS: list[tuple[str, str, int, tuple[GenerationMode, ...]]] = [
     ("POST", "/v1/unload_lora_adapter", 25, BOTH),
     ("GET", "/v1/models/{name}", 20, (GenerationMode.POSITIVE,)),
     ("GET", "/v1/models", 3, (GenerationMode.POSITIVE,)),
+    ("POST", "/tokenize", 30, BOTH),
+    ("POST", "/detokenize", 30, BOTH),
     ("GET", "/health", 3, (GenerationMode.POSITIVE,)),
     ("GET", "/version", 3, (GenerationMode.POSITIVE,)),
 ]

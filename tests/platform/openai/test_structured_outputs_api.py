@@ -371,3 +371,36 @@ async def test_a_constraint_failing_in_the_engine_is_a_server_error(api: Scripte
     api.engine.error_after = None
     r = await api.http.post(PATHS["chat"], json=body)
     assert r.status_code == 200, r.text
+
+
+async def test_official_client_parse_with_nested_models(api: ScriptedAPI) -> None:
+    """A strict schema with $defs/$ref, enums, nullable fields and arrays compiles, and the
+    answer parses back into the models."""
+    from enum import Enum
+
+    import openai
+    from pydantic import BaseModel
+
+    class Role(str, Enum):
+        admin = "admin"
+        user = "user"
+
+    class Address(BaseModel):
+        city: str
+        zip: str | None
+
+    class Account(BaseModel):
+        name: str
+        role: Role
+        addresses: list[Address]
+
+    api.say('{"name": "Ada", "role": "admin", "addresses": [{"city": "London", "zip": null}]}')
+    client = openai.AsyncOpenAI(api_key="x", base_url="http://test/v1", http_client=api.http)
+    done = await client.chat.completions.parse(
+        model=MODEL, messages=CHAT["messages"], response_format=Account
+    )
+    assert done.choices[0].message.parsed == Account(
+        name="Ada", role=Role.admin, addresses=[Address(city="London", zip=None)]
+    )
+    sent = api.submitted[-1].params.structured_outputs
+    assert sent is not None and "$defs" in dict(sent.json or {})

@@ -1,21 +1,23 @@
 """How a model writes tool calls: a small registry of formats, one chosen per chat template.
 
-=========  ===========================================================  =====================
-format     a model's calls                                              whose
-=========  ===========================================================  =====================
-hermes     ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``  Qwen2.5/3, Hermes,
-           one block per call                                           and the default
-smollm2    ``<tool_call>[{"name": "f", "arguments": {...}}, ...]</tool_call>``  SmolLM2 (its model
-           one block holding a JSON list of calls                      card's function calling)
-=========  ===========================================================  =====================
+* ``hermes`` (Qwen2.5/3, Hermes, and the default): one block per call::
+
+      <tool_call>
+      {"name": "get_weather", "arguments": {"city": "Paris"}}
+      </tool_call>
+
+* ``smollm2`` (the SmolLM2 family's function calling, from its model card): one block holding
+  a JSON list of calls::
+
+      <tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, ...]</tool_call>
 
 Both are read by one parser (``parser.py``: a block may hold one call object or a list of
-them). A template that knows tools (it reads the ``tools`` variable, as Qwen's does) renders the
-tools, the assistant's earlier calls and the tool results itself. A template that does not
-(SmolLM2-135M-Instruct's has no tool support) gets them from loraplex, in the format's own
-words: the tools in the system prompt (the format's ``system_prompt``), earlier calls written
-into the assistant's content, tool results as user turns in ``<tool_response>`` tags (as
-Qwen's template writes them).
+them), whatever format the template asked for. A template that knows tools (it reads the
+``tools`` variable, as Qwen's does) renders the tools, the assistant's earlier calls and the
+tool results itself. A template that does not (SmolLM2-135M-Instruct's has no tool support)
+gets them from loraplex, in the format's own words: the tools in the system prompt (the
+format's ``system_prompt``), earlier calls written into the assistant's content, tool results
+as user turns in ``<tool_response>`` tags (as Qwen's template writes them).
 """
 
 from __future__ import annotations
@@ -120,8 +122,11 @@ class TemplateTools:
 
 
 def template_tools(chat_template: str | None) -> TemplateTools:
+    """A template that writes lists of calls is ``smollm2``'s; so is SmolLM2's own template,
+    which knows no tools (newer SmolLM templates that render tools say how themselves); any
+    other is ``hermes``."""
     template = chat_template or ""
     native = bool(_READS_TOOLS.search(template))
-    if START + "[" in template or "SmolLM" in template:
+    if START + "[" in template or (not native and "SmolLM" in template):
         return TemplateTools(SMOLLM2, native)
     return TemplateTools(HERMES, native)
