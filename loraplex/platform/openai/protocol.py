@@ -290,7 +290,8 @@ class ToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    # absent without calls, as OpenAI answers
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda calls: calls is None)
 
 
 class ChatChoice(BaseModel):
