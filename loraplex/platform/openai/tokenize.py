@@ -17,7 +17,7 @@ vocabulary.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from loraplex.platform.auth import Caller
 from loraplex.platform.errors import invalid_request
@@ -40,7 +40,14 @@ MAX_TOKENIZE_CHARS = 1 << 20
 MAX_DETOKENIZE_TOKENS = 1 << 17
 
 
+# vLLM's /tokenize fields that would change the tokens and are not implemented: refused by name
+# (ignoring them would answer with other tokens than the client asked for).
+UNSUPPORTED = ("chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs")
+
+
 class TokenizeRequest(_Request):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # see UNSUPPORTED
+
     model: Text | None = Field(None, max_length=256)  # None: the base model
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
@@ -73,6 +80,14 @@ async def tokenize(
     serving: OpenAIServing, body: TokenizeRequest, caller: Caller
 ) -> TokenizeResponse:
     await serving.resolver.lookup(caller, body.model or serving.resolver.base_name)
+    for name in UNSUPPORTED:
+        if (body.model_extra or {}).get(name) not in (None, {}, []):
+            raise invalid_request(
+                f"'{name}' is not supported by this server's /tokenize: the model's own chat "
+                f"template renders the messages. Remove '{name}' from the request.",
+                name,
+                "unsupported_parameter",
+            )
     if (body.prompt is None) == (body.messages is None):
         raise invalid_request(
             "Send either prompt (a text) or messages (a chat conversation), not both and not "

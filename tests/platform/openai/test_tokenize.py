@@ -136,6 +136,12 @@ BAD = [
         "tools[0].function.name",
         "invalid_tool_name",
     ),
+    (
+        "/tokenize",
+        {"messages": MESSAGES, "chat_template": "{{ messages }}"},
+        "chat_template",
+        "unsupported_parameter",
+    ),
     ("/detokenize", {"tokens": [1, 49152]}, "tokens[1]", "invalid_token_id"),
     ("/detokenize", {"tokens": [-1]}, "tokens[0]", "invalid_token_id"),
     ("/detokenize", {"tokens": [0] * (tok.MAX_DETOKENIZE_TOKENS + 1)}, "tokens", "too_many_tokens"),
