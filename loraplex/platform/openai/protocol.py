@@ -291,7 +291,7 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     # absent without calls, as OpenAI answers
-    tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda calls: calls is None)
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda calls: calls is None)
 
 
 class ChatChoice(BaseModel):
