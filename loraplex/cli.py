@@ -115,6 +115,21 @@ def build_parser() -> argparse.ArgumentParser:
             ),
         )
     )
+    from loraplex.bench.structured_options import add_suite_arguments
+
+    add_suite_arguments(
+        benches.add_parser(
+            "structured-suite",
+            help="structured output and tool calls end to end: the share of valid outputs",
+            description=(
+                "Start loraplex serve --demo and send, with the official openai client, JSON "
+                "schemas (response_format), regex, choice and grammar constraints, tool calls "
+                "(tool_choice required and named), parse() and requests that must get a 400, "
+                "through the demo adapters and the base model, streamed and not; check every "
+                "output and write the share of valid ones per kind as JSON to --output-dir."
+            ),
+        )
+    )
     from loraplex.bench.structured import add_structured_arguments
 
     add_structured_arguments(
@@ -356,6 +371,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             run_fairness(options_from(args))
             return 0
+        if args.command == "bench" and args.bench == "structured-suite":
+            from loraplex.bench.structured_options import options_from
+            from loraplex.bench.structured_suite import run_suite
+
+            result = run_suite(options_from(args))
+            return 0 if result["totals"]["all"]["valid"] == result["totals"]["all"]["n"] else 1
         if args.command == "bench" and args.bench == "structured":
             from loraplex.bench.structured import options_from as structured_options
             from loraplex.bench.structured import run_structured

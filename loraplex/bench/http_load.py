@@ -114,7 +114,11 @@ class Platform:
         """Create tenant ``name``; returns a new inference key for it."""
         body = {"name": name, "weight": weight, "max_priority": max_priority}
         await self._call("POST", "/admin/api/tenants", body)
-        key = await self._call("POST", f"/admin/api/tenants/{name}/keys", {"name": "bench"})
+        return await self.key(name)
+
+    async def key(self, tenant: str, name: str = "bench") -> str:
+        """A new inference key for the existing tenant ``tenant``."""
+        key = await self._call("POST", f"/admin/api/tenants/{tenant}/keys", {"name": name})
         return str(key["key"])
 
     async def set_weight(self, name: str, weight: float) -> None:
