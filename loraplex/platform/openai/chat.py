@@ -169,7 +169,7 @@ def _template_call(call: ToolCallIn, i: int, j: int) -> dict[str, Any]:
         )
     try:
         arguments = json.loads(call.function.arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # a RecursionError: nested too deep to read
         arguments = None
     if not isinstance(arguments, dict):
         raise invalid_request(

@@ -111,6 +111,12 @@ PARSED: list[tuple[str, str, list[tuple[str, Any]]]] = [
         '<tool_call>\n{"name": "f", "arguments": {"q": 1',
         [],
     ),
+    # arguments nested too deep to read: not a call
+    (
+        '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call>",
+        None,
+        [],
+    ),
     # no calls: the text, whitespace and a partial tag included
     ("Plain answer.\n", "Plain answer.\n", []),
     ("a <tool_ca", "a <tool_ca", []),
@@ -119,7 +125,12 @@ PARSED: list[tuple[str, str, list[tuple[str, Any]]]] = [
 ]
 
 
-@pytest.mark.parametrize(("text", "content", "calls"), PARSED)
+def _short(value: Any) -> str | None:
+    """Test ids: a long answer by its start and length."""
+    return f"{value[:40]}...({len(value)})" if isinstance(value, str) and len(value) > 60 else None
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), PARSED, ids=_short)
 def test_a_whole_answer_parses_into_content_and_calls(
     text: str, content: str | None, calls: list[tuple[str, Any]]
 ) -> None:
@@ -133,7 +144,7 @@ def test_a_whole_answer_parses_into_content_and_calls(
     assert len({c.id for c in got}) == len(got)
 
 
-@pytest.mark.parametrize("text", [t for t, _, calls in PARSED if calls])
+@pytest.mark.parametrize("text", [t for t, _, calls in PARSED if calls], ids=_short)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_streamed_deltas_join_into_the_same_calls(text: str, seed: int) -> None:
     """Whatever the chunking (one character at a time, random pieces), the deltas join into
@@ -578,6 +589,20 @@ REFUSED: list[tuple[dict[str, Any], str, str]] = [
         "messages[0].tool_calls[0].function.arguments",
         "invalid_tool_call",
     ),
+    (  # nested too deep to read (a RecursionError in json.loads): a 400 as well
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {"id": "c", "function": {"name": "f", "arguments": "[" * 50_000}}
+                    ],
+                }
+            ]
+        },
+        "messages[0].tool_calls[0].function.arguments",
+        "invalid_tool_call",
+    ),
     (
         {
             "messages": [
@@ -590,7 +615,7 @@ REFUSED: list[tuple[dict[str, Any], str, str]] = [
 ]
 
 
-@pytest.mark.parametrize(("fields", "param", "code"), REFUSED)
+@pytest.mark.parametrize(("fields", "param", "code"), REFUSED, ids=lambda v: None)
 async def test_bad_tools_are_400s_naming_the_field(
     qwen_api: ScriptedAPI, fields: dict[str, Any], param: str, code: str
 ) -> None:

@@ -339,7 +339,7 @@ class ToolCallParser:
 def _is_object(text: str) -> bool:
     try:
         return isinstance(json.loads(text), dict)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested too deep to read: not arguments
         return False
 
 
@@ -347,7 +347,7 @@ def _read_whole(text: str) -> list[tuple[str, str]] | None:
     """A block's calls read as one JSON value (any key order); None when it is not calls."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     items = value if isinstance(value, list) else [value]
     calls = []
@@ -358,7 +358,7 @@ def _read_whole(text: str) -> list[tuple[str, str]] | None:
         if isinstance(arguments, str):  # some models write the arguments as JSON text
             try:
                 arguments = json.loads(arguments)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
         if not isinstance(arguments, dict):
             return None
