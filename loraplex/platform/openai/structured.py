@@ -86,8 +86,9 @@ def request_constraint(body: SamplingFields) -> Constraint | None:
 
 
 def conflict_with_tools(constraint: Constraint, tool_choice: str) -> APIError:
+    """``tool_choice``: how the message names it ("'required'", "a named function")."""
     return invalid_request(
-        f"tool_choice {tool_choice!r} constrains the output to tool calls, and "
+        f"tool_choice {tool_choice} constrains the output to tool calls, and "
         f"{constraint.param} constrains it too; a request takes one constraint. Drop "
         f"{constraint.param}, or set tool_choice to 'auto'.",
         constraint.param,

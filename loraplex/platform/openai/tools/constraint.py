@@ -28,7 +28,7 @@ def with_tools(
         return constraint
     if plan.forced:
         if constraint is not None:
-            choice = "required" if plan.named is None else "(a named function)"
+            choice = "'required'" if plan.named is None else "naming a function"
             raise conflict_with_tools(constraint, choice)
         grammar = tool_grammar(fmt, plan)
         param = "tools" if plan.named is None else "tool_choice"
