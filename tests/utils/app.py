@@ -12,8 +12,10 @@ from tests.utils.fakes import FakeEngineClient
 
 API_KEY = "sk-test-operator-key-0123456789"
 
-# Each message becomes "t3 <content> t4"; the generation prompt is "t5". Tool messages are
-# refused, as some real templates refuse roles they do not know.
+# Each message becomes "t3 <content> t4"; the generation prompt is "t5". It refuses tool
+# messages, as some real templates refuse roles they do not know; since issue 16 none reach it:
+# a template that does not read ``tools`` gets tool results as user turns
+# (``platform/openai/tools/template.py``).
 CHAT_TEMPLATE = (
     "{% for m in messages %}"
     "{% if m['role'] == 'tool' %}{{ raise_exception('tool messages are not supported') }}"
