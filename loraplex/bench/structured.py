@@ -104,6 +104,7 @@ class StructuredBenchOptions:
     trace_batch: int = 8
     trace_tokens: int = 120
     slow_compile_seconds: float = 2.0
+    threads: int | None = None  # torch intra-op threads (None: torch's default)
     output_dir: str = "bench-results"
 
     def __post_init__(self) -> None:
@@ -129,6 +130,12 @@ def add_structured_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-batch", type=positive_int, default=8)
     p.add_argument("--trace-tokens", type=positive_int, default=120)
     p.add_argument("--slow-compile-seconds", type=float, default=2.0)
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch threads (default: torch's; 1 gives steadier figures on a busy machine)",
+    )
     p.add_argument("--output-dir", default="bench-results")
 
 
@@ -147,6 +154,7 @@ def options_from(args: argparse.Namespace) -> StructuredBenchOptions:
         trace_batch=args.trace_batch,
         trace_tokens=args.trace_tokens,
         slow_compile_seconds=args.slow_compile_seconds,
+        threads=args.threads,
         output_dir=args.output_dir,
     )
 
@@ -362,10 +370,18 @@ def _is_json(text: str) -> bool:
     return True
 
 
-def run_structured(opts: StructuredBenchOptions, say: Log = print) -> dict[str, Any]:
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def run_structured(opts: StructuredBenchOptions, say: Log = _say) -> dict[str, Any]:
+    import torch
+
     from loraplex.bench.common import machine
     from loraplex.llm import LLM
 
+    if opts.threads is not None:
+        torch.set_num_threads(opts.threads)
     max_seqs = max(max(opts.batch_sizes), opts.trace_batch + 1)
 
     def fresh() -> Any:
@@ -383,6 +399,7 @@ def run_structured(opts: StructuredBenchOptions, say: Log = print) -> dict[str, 
             "trace_batch": opts.trace_batch,
             "trace_tokens": opts.trace_tokens,
             "slow_compile_seconds": opts.slow_compile_seconds,
+            "threads": opts.threads,
         },
         "backend": "llguidance",
         "machine": machine(),

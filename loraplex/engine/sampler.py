@@ -120,13 +120,26 @@ class Sampler:
                 f"token masks must be int32 bitmasks of at least {-(-V // 32)} words (vocab "
                 f"{V}); got {words.dtype} of {words.shape[1]} words"
             )
+        if dev.type == "cpu":
+            # numpy, one thread: a handful of C loops over [M, V]; torch's intra-op threads cost
+            # more to wake than this work takes on a busy CPU.
+            # bit b of byte k of a row (little-endian words) = token 8k + b
+            bits = np.unpackbits(words.view(np.uint8), axis=1, count=V, bitorder="little")
+            out = logits.numpy().copy()  # [S, V]
+            if idx == list(range(len(out))):
+                np.putmask(out, bits == 0, -np.inf)
+            else:
+                sub = out[idx]  # [M, V]
+                np.putmask(sub, bits == 0, -np.inf)
+                out[idx] = sub
+            return torch.from_numpy(out)
         packed = torch.from_numpy(words).to(dev)  # [M, W]
         shifts = torch.arange(32, dtype=torch.int32, device=dev)  # [32]
-        bits = (packed.unsqueeze(-1) >> shifts) & 1  # [M, W, 32]: bit b of word w = token 32w + b
-        allowed = bits.flatten(1)[:, :V].bool()  # [M, V]
+        bits_t = (packed.unsqueeze(-1) >> shifts) & 1  # [M, W, 32]: bit b of word w = token 32w + b
+        allowed = bits_t.flatten(1)[:, :V].bool()  # [M, V]
         idx_t = torch.tensor(idx, device=dev)  # [M]
-        sub = logits.index_select(0, idx_t).masked_fill_(~allowed, -math.inf)  # [M, V]
-        return logits.index_copy(0, idx_t, sub)  # [S, V]
+        sub_t = logits.index_select(0, idx_t).masked_fill_(~allowed, -math.inf)  # [M, V]
+        return logits.index_copy(0, idx_t, sub_t)  # [S, V]
 
     # -- penalties -------------------------------------------------------------------------
 

@@ -29,6 +29,12 @@ weights ``set_tenant_weights`` replaces from the next step on.
 The n samples of one request share the prompt's KV: the first sample (the leader) prefills the
 prompt; in the step that finishes the prompt, the others are forked from it (block tables shared
 by reference) and sample their first token from the leader's last row.
+
+Structured output: a request with a constraint reaches the scheduler once its grammar is
+compiled (``engine/structured.py`` holds it until then). ``update`` reports each of its tokens
+to ``TokenConstraints.advance`` after the EOS and stop-token checks and before the length check:
+a constraint completed by the last allowed token is a "stop", one that fails ends that request
+alone with status ``FINISHED_ERROR``.
 """
 
 from __future__ import annotations

@@ -97,11 +97,9 @@ class StructuredOutputs:
         """The compile of ``constraint``: cached, or started now on a worker thread."""
         key = constraint.key()
         future = self._compiled.get(key)
-        if future is not None:
-            failed = future.done() and future.exception() is not None
-            if not failed or isinstance(future.exception(), GrammarError):
-                self._compiled.move_to_end(key)
-                return future
+        if future is not None and (not future.done() or _kept(future)):
+            self._compiled.move_to_end(key)
+            return future
         # A failure other than GrammarError (a backend bug, a resource error) is not kept:
         # the next request with this constraint compiles it again.
         if self._backend is None:
@@ -136,7 +134,7 @@ class StructuredOutputs:
         if req.request_id in self._waiting:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         future = self.compile_async(constraint)
-        if future.done() and future.exception() is None:
+        if future.done() and not future.cancelled() and future.exception() is None:
             self._matchers[req.request_id] = future.result().matcher()
             return True
         if req.queued_time is None:
@@ -155,6 +153,9 @@ class StructuredOutputs:
             if not w.future.done():
                 continue
             del self._waiting[rid]
+            if w.future.cancelled():  # the engine is shutting down
+                failed.append((w.request, "the engine stopped before the grammar compiled"))
+                continue
             exc = w.future.exception()
             if exc is None:
                 try:
@@ -263,6 +264,15 @@ class StructuredOutputs:
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _kept(future: Future[CompiledGrammar]) -> bool:
+    """Whether a finished compile stays cached: a success, or a ``GrammarError`` (the same
+    constraint fails the same way). A backend failure or a cancelled compile is tried again."""
+    if future.cancelled():
+        return False
+    exc = future.exception()
+    return exc is None or isinstance(exc, GrammarError)
 
 
 def _failure(exc: BaseException) -> str:

@@ -6,6 +6,8 @@ with only compiles to wait for does not spin; a backend that fails ends only its
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 import time
 from pathlib import Path
@@ -16,13 +18,16 @@ import pytest
 
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex import StructuredOutputsParams as SO
+from loraplex.engine.client import RequestDelta
 from loraplex.engine.core import EngineCore
 from loraplex.engine.llm_engine import LLMEngine
-from loraplex.engine.records import EngineCoreOutput, SchedulerOutput
+from loraplex.engine.records import SchedulerOutput
 from loraplex.engine.structured import IDLE_WAIT
 from loraplex.engine_args import engine_config
 from loraplex.grammar import GrammarError, LLGuidanceBackend
 from loraplex.outputs import RequestOutput
+from tests.utils.clients import collect, sample_tokens, start_client, stop_client
+from tests.utils.clients import engine_config as client_config
 from tests.utils.models import make_adapter
 from tests.utils.structured import byte_model, satisfies
 
@@ -421,11 +426,6 @@ def test_llm_generate_refuses_a_bad_constraint_before_running(llm: LLM) -> None:
     assert not llm.llm_engine.has_unfinished_requests()
 
 
-def test_engine_core_output_error_crosses_as_a_field() -> None:
-    out = EngineCoreOutput("r", [], finish_reason="error", error="why")
-    assert out.error == "why"
-
-
 def test_a_core_built_without_a_tokenizer_loads_it_for_its_first_constraint(
     model_dir: str,
 ) -> None:
@@ -438,21 +438,16 @@ def test_engine_clients_carry_constraints_and_errors(model_dir: str, kind: str) 
     """Through either client (the child process: SamplingParams pickle across the pipe, the
     matchers live in the engine process): valid outputs, and a grammar the engine cannot
     compile comes back as finish_reason "error" with the message; the engine keeps serving."""
-    from loraplex.engine.client import RequestDelta
-    from tests.utils.clients import collect, engine_config, sample_tokens, start_client, stop_client
+    from transformers import AutoTokenizer
 
-    served = start_client(kind, engine_config(model_dir, max_model_len=256), model_dir)
+    served = start_client(kind, client_config(model_dir, max_model_len=256), model_dir)
     try:
-        from transformers import AutoTokenizer
-
         tok = AutoTokenizer.from_pretrained(model_dir)
         prompt = tok("client").input_ids
         good = params(COMPACT, temperature=1.0, seed=4, n=2)
         bad = params(SO(json={"type": "array", "uniqueItems": True}))
 
         async def both() -> tuple[list[RequestDelta], list[RequestDelta]]:
-            import asyncio
-
             client = served.client
             return await asyncio.gather(
                 collect(client.generate("good", prompt, good)),
@@ -469,3 +464,47 @@ def test_engine_clients_carry_constraints_and_errors(model_dir: str, kind: str) 
         assert {d.finish_reason for d in again if d.finish_reason} == {"stop"}
     finally:
         stop_client(served)
+
+
+@pytest.mark.slow
+def test_the_embedded_model_fills_a_schema_and_picks_a_choice() -> None:
+    """SmolLM2-135M-Instruct, greedy, through its chat template: the outputs parse, validate,
+    and carry the facts of the prompt."""
+    llm = LLM(None, max_model_len=1024, max_num_seqs=8)
+    tok = llm.get_tokenizer()
+
+    def chat(text: str) -> str:
+        return str(
+            tok.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
+        )
+
+    person = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 40},
+            "age": {"type": "integer", "minimum": 0, "maximum": 130},
+            "city": {"type": "string", "maxLength": 40},
+        },
+        "required": ["name", "age", "city"],
+        "additionalProperties": False,
+    }
+    extract = SO(json=person)
+    mood = SO(choice=["positive", "negative"])
+    outs = llm.generate(
+        [
+            chat("Extract the person as JSON: John Smith is 42 years old and lives in Paris."),
+            chat("Is this review positive or negative? 'I love it, best purchase ever!'"),
+        ],
+        [
+            SamplingParams(max_tokens=80, temperature=0.0, structured_outputs=extract),
+            SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=mood),
+        ],
+        use_tqdm=False,
+    )
+    assert_valid(outs[0], extract)
+    assert_valid(outs[1], mood)
+    person_out = json.loads(outs[0].outputs[0].text)
+    assert person_out["age"] == 42 and "John" in person_out["name"], person_out
+    assert outs[1].outputs[0].text == "positive"
