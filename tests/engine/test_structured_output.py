@@ -55,7 +55,6 @@ CONSTRAINTS = [
     SO(grammar='start: "x=" num ";"\nnum: /[1-9][0-9]{0,3}/'),
 ]
 MAX_TOKENS = 160
-PROMPTS = ["hello", "t1 t2 t3", "{", "a b c d e f"]
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +87,9 @@ def test_every_output_satisfies_its_constraint_in_a_mixed_batch(
 ) -> None:
     prompts, ps, wanted = [], [], []
     for i, constraint in enumerate(CONSTRAINTS):
-        for prompt in PROMPTS[:2]:
-            prompts.append(f"{prompt} {i}")
-            ps.append(params(constraint, **decoding))
-            wanted.append(constraint)
+        prompts.append(f"hello {i}")
+        ps.append(params(constraint, **decoding))
+        wanted.append(constraint)
     prompts.append("an unconstrained neighbour")
     ps.append(SamplingParams(max_tokens=20, ignore_eos=True, **decoding))
     outs = llm.generate(prompts, ps, use_tqdm=False)
@@ -163,12 +161,12 @@ def test_lora_rows_mixed_in_are_constrained_too(model_dir: str, tmp_path: Path) 
 
 
 def test_preemption_keeps_every_matcher_right(model_dir: str, llm: LLM) -> None:
-    """A KV cache of 10 blocks of 16 tokens for 6 requests of up to ~100 tokens: requests are
+    """A KV cache of 10 blocks of 16 tokens for 4 requests of about 100 tokens: requests are
     preempted and recomputed, and their matchers still match their (kept) output tokens."""
     constraint = COMPACT
-    prompts = [f"preempt {i} " + "x " * 8 for i in range(6)]
+    prompts = [f"preempt {i} " + "x " * 8 for i in range(4)]
     ps = params(constraint, temperature=0.0)
-    tight = LLM(model_dir, num_blocks=11, max_num_seqs=6, max_model_len=160)
+    tight = LLM(model_dir, num_blocks=11, max_num_seqs=4, max_model_len=160)
     outs = tight.generate(prompts, ps, use_tqdm=False)
     assert tight.engine_stats().num_preemptions > 0
     roomy = llm.generate(prompts, ps, use_tqdm=False)
