@@ -16,7 +16,8 @@ KINDS = ("json_schema", "regex", "choice", "grammar", "tools", "parse", "json_ob
 class SuiteOptions:
     concurrency: int = 8  # requests in flight at once
     kinds: tuple[str, ...] = KINDS
-    cases: str | None = None  # run only the cases whose name contains this
+    cases: str | None = None  # run only the cases whose name contains one of these (commas)
+    model: str | None = None  # send every case to this model (the base or an adapter)
     base_url: str | None = None  # a running server instead of a fresh ``serve --demo``
     api_key: str | None = None  # with base_url: a key of a tenant that has the adapters
     serve_args: tuple[str, ...] = ()  # more flags for ``loraplex serve --demo``
@@ -40,6 +41,8 @@ class SuiteOptions:
         argv.append(f"--kinds={','.join(self.kinds)}")
         if self.cases:
             argv.append(f"--cases={self.cases}")
+        if self.model:
+            argv.append(f"--model={self.model}")
         if self.base_url:
             argv += [f"--base-url={self.base_url}", "--api-key=..."]
         if self.serve_args:
@@ -63,7 +66,16 @@ def add_suite_arguments(p: argparse.ArgumentParser) -> None:
         help=f"comma-separated kinds of case to run (default all: {','.join(KINDS)})",
     )
     p.add_argument(
-        "--cases", default=None, metavar="TEXT", help="run only the cases whose name contains TEXT"
+        "--cases",
+        default=None,
+        metavar="TEXT[,TEXT...]",
+        help="run only the cases whose name contains one of these",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="send every case to this model, the base or an adapter (default: half the cases "
+        "to the demo adapters in turn, half to the base model)",
     )
     p.add_argument(
         "--base-url",
@@ -104,6 +116,7 @@ def options_from(args: argparse.Namespace) -> SuiteOptions:
         concurrency=args.concurrency,
         kinds=args.kinds,
         cases=args.cases,
+        model=args.model,
         base_url=args.base_url,
         api_key=args.api_key,
         serve_args=tuple(shlex.split(args.serve_args)),

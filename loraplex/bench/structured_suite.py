@@ -103,7 +103,7 @@ def plan(kinds: tuple[str, ...], cases: str | None = None) -> list[Job]:
     jobs: list[Job] = []
     for kind in kinds:
         for i, case in enumerate(corpus[kind]):
-            if cases and cases not in case.name:
+            if cases and not any(part in case.name for part in cases.split(",")):
                 continue
             if kind == "tools":
                 adapter, streamed, sampled = i % 3 == 2, i % 2 == 1, i % 4 == 3
@@ -231,12 +231,17 @@ def _run(client: Any, job: Job, seed: int, request: dict[str, Any]) -> tuple[Rep
     return _chat(client, request, False), "answered 200; expected a 400"
 
 
-def run_job(client: Any, job: Job, models: tuple[str, tuple[str, ...]], seed: int) -> Outcome:
+def run_job(
+    client: Any, job: Job, models: tuple[str, tuple[str, ...]], seed: int, only: str | None = None
+) -> Outcome:
+    """Send ``job`` and judge its reply; ``only``: the model every job goes to."""
     import openai
 
     base, adapters = models
     # adapter jobs take the adapters in turn (every other index is an adapter job)
     adapter = adapters[(job.index // 2) % len(adapters)] if job.adapter and adapters else None
+    if only is not None:
+        adapter = None if only == base else only
     model = adapter or base
     outcome = Outcome(
         job.kind, job.case.name, model, adapter, job.streamed, job.sampled, job.endpoint
@@ -370,7 +375,7 @@ def _drive(
     )
     outcomes: list[Outcome] = []
     with ThreadPoolExecutor(max_workers=opts.concurrency) as pool:
-        futures = [pool.submit(run_job, client, job, models, opts.seed) for job in jobs]
+        futures = [pool.submit(run_job, client, job, models, opts.seed, opts.model) for job in jobs]
         for done, future in enumerate(as_completed(futures), 1):
             o = future.result()
             outcomes.append(o)
