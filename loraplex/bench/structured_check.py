@@ -15,7 +15,7 @@ from typing import Any
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 
-from loraplex.bench.structured_constraints import TOOLS, ToolCase
+from loraplex.bench.structured_constraints import TOOLS, RefusalCase, ToolCase
 
 
 def check_json(text: str, schema: Mapping[str, Any]) -> str | None:
@@ -41,6 +41,19 @@ def check_choice(text: str, choices: Sequence[str]) -> str | None:
 def check_finish(finish_reason: str | None) -> str | None:
     if finish_reason == "length":
         return "stopped at max_tokens (finish_reason length)"
+    return None
+
+
+def check_refusal(status: int, error: Any, case: RefusalCase) -> str | None:
+    """A 400 in OpenAI's error shape (``error`` is its ``error`` object) whose message names
+    what was wrong (every one of ``case.mentions``)."""
+    if status != 400:
+        return f"HTTP {status}, expected 400"
+    if not isinstance(error, Mapping) or not isinstance(error.get("message"), str):
+        return f"not OpenAI's error shape: {str(error)[:200]}"
+    missing = [m for m in case.mentions if m not in error["message"]]
+    if missing:
+        return f"the message does not name {missing}: {error['message'][:300]}"
     return None
 
 

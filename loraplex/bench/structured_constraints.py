@@ -449,6 +449,7 @@ class RefusalCase:
 
     name: str
     create_args: dict[str, Any] = field(default_factory=dict)  # for chat.completions.create
+    mentions: tuple[str, ...] = ()  # what the error's message must name
 
 
 REFUSAL_CASES: tuple[RefusalCase, ...] = (
@@ -463,11 +464,15 @@ REFUSAL_CASES: tuple[RefusalCase, ...] = (
                 },
             }
         },
+        ("integr",),
     ),
-    RefusalCase("invalid_regex", {"extra_body": {"structured_outputs": {"regex": "([a-z]+"}}}),
+    RefusalCase(
+        "invalid_regex", {"extra_body": {"structured_outputs": {"regex": "([a-z]+"}}}, ("regex",)
+    ),
     RefusalCase(
         "two_constraints",
         {"extra_body": {"structured_outputs": {"regex": "[a-z]+", "choice": ["a", "b"]}}},
+        ("regex", "choice"),
     ),
     RefusalCase(
         "unknown_tool",
@@ -475,5 +480,6 @@ REFUSAL_CASES: tuple[RefusalCase, ...] = (
             "tools": [TOOLS["get_weather"]],
             "tool_choice": {"type": "function", "function": {"name": "launch_rocket"}},
         },
+        ('"launch_rocket"', "get_weather"),
     ),
 )

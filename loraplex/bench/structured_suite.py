@@ -46,6 +46,7 @@ from loraplex.bench.structured_check import (
     check_finish,
     check_json,
     check_pattern,
+    check_refusal,
     check_tool_calls,
     totals,
     totals_table,
@@ -264,8 +265,9 @@ def run_job(
         outcome.output = exc.completion.choices[0].message.content or ""
     except openai.APIStatusError as exc:
         message = _error_message(exc)
-        if isinstance(job.case, RefusalCase) and exc.status_code == 400 and message:
-            outcome.output = message  # what was asked: a 400 that says what was wrong
+        if isinstance(job.case, RefusalCase):  # what was asked: a 400 that says what was wrong
+            outcome.output = message
+            outcome.error = check_refusal(exc.status_code, _error_object(exc), job.case)
         else:
             outcome.error = f"HTTP {exc.status_code}: {message}"
     except Exception as exc:  # a broken reply is this case's failure, not the suite's
@@ -276,6 +278,12 @@ def run_job(
     if not outcome.valid:
         outcome.request = json.loads(json.dumps(request, default=str))
     return outcome
+
+
+def _error_object(exc: Any) -> Any:
+    """The ``error`` object of an error reply (the client hands it over unwrapped, or not)."""
+    body = exc.body
+    return body.get("error", body) if isinstance(body, dict) else body
 
 
 def _error_message(exc: Any) -> str:

@@ -5,6 +5,7 @@ outputs and refuse bad ones; the plan sends half the schemas through an adapter,
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from collections import Counter
@@ -20,19 +21,26 @@ from loraplex.bench.structured_check import (
     check_finish,
     check_json,
     check_pattern,
+    check_refusal,
     check_tool_calls,
     totals,
 )
 from loraplex.bench.structured_constraints import (
     CONSTRAINT_CASES,
     PARSE_CASES,
+    REFUSAL_CASES,
     TOOL_CASES,
     TOOL_EXAMPLES,
     TOOLS,
     ConstraintCase,
     ToolCase,
 )
-from loraplex.bench.structured_options import KINDS, SuiteOptions
+from loraplex.bench.structured_options import (
+    KINDS,
+    SuiteOptions,
+    add_suite_arguments,
+    options_from,
+)
 from loraplex.bench.structured_schemas import (
     FEATURES,
     SCHEMA_CASES,
@@ -217,15 +225,19 @@ def test_options_refuse_bad_values() -> None:
     assert "--kinds=regex" in SuiteOptions(kinds=("regex",)).command_line()
 
 
-def test_the_command_refuses_bad_flags_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    from loraplex.cli import main
-
-    assert main(["bench", "structured-suite", "--concurrency", "0"]) == 2
-    assert main(["bench", "structured-suite", "--kinds", "regex,nope"]) == 2
-    assert main(["bench", "structured-suite", "--base-url", "http://127.0.0.1:9"]) == 1
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 3 and all(line.startswith("loraplex: error:") for line in lines), lines
-    assert "kinds" in lines[1] and "--api-key" in lines[2]
+def test_the_flags_refuse_bad_values() -> None:
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_suite_arguments(p)
+    with pytest.raises(argparse.ArgumentError, match="at least 1"):
+        p.parse_args(["--concurrency", "0"])
+    with pytest.raises(argparse.ArgumentError, match="nope"):
+        p.parse_args(["--kinds", "regex,nope"])
+    opts = options_from(
+        p.parse_args(["--kinds", "regex,tools", "--serve-args", "--max-num-seqs 4"])
+    )
+    assert opts.kinds == ("regex", "tools") and opts.serve_args == ("--max-num-seqs", "4")
+    with pytest.raises(ValueError, match="--api-key"):
+        options_from(p.parse_args(["--base-url", "http://127.0.0.1:9"]))
 
 
 def test_the_suite_uses_the_base_and_the_latest_adapter_names() -> None:
@@ -237,3 +249,14 @@ def test_the_suite_uses_the_base_and_the_latest_adapter_names() -> None:
     ]
     assert pick_models(cards) == ("base", ("caps", "pirate"))
     assert pick_models([{"id": "b"}, {"id": "x@2", "parent": "b"}]) == ("b", ("x@2",))
+
+
+def test_check_refusal_wants_a_400_that_names_the_problem() -> None:
+    case = next(c for c in REFUSAL_CASES if c.name == "unknown_tool")
+    good = {"message": 'tool_choice names "launch_rocket", not one of get_weather', "type": "x"}
+    assert check_refusal(400, good, case) is None
+    assert "expected 400" in (check_refusal(500, good, case) or "")
+    assert "shape" in (check_refusal(400, "Bad Request", case) or "")
+    doubled = {"message": "tool_choice names \"'launch_rocket'\", not one of get_weather"}
+    assert "launch_rocket" in (check_refusal(400, doubled, case) or "")
+    assert all(c.mentions for c in REFUSAL_CASES)
