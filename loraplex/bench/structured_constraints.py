@@ -480,6 +480,6 @@ REFUSAL_CASES: tuple[RefusalCase, ...] = (
             "tools": [TOOLS["get_weather"]],
             "tool_choice": {"type": "function", "function": {"name": "launch_rocket"}},
         },
-        ('"launch_rocket"', "get_weather"),
+        ("launch_rocket", "get_weather"),
     ),
 )
