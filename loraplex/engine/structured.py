@@ -24,13 +24,18 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from loraplex.engine.records import SchedulerOutput
 from loraplex.engine.request import Request
-from loraplex.grammar import CACHE_SIZE, CompiledGrammar, GrammarBackend, GrammarError
+from loraplex.grammar import (
+    CACHE_SIZE,
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarError,
+    GrammarMatcher,
+)
 from loraplex.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -57,7 +62,7 @@ class StructuredOutputs:
         # constraint key -> its compile (done or running); LRU over finished ones
         self._compiled: OrderedDict[str, Future[CompiledGrammar]] = OrderedDict()
         self._waiting: dict[str, _Waiting] = {}  # request id -> held until its grammar is ready
-        self._matchers: dict[str, Any] = {}  # request id -> GrammarMatcher
+        self._matchers: dict[str, GrammarMatcher] = {}  # request id -> its matcher
         self._failed: dict[str, str] = {}  # request id -> why its matcher failed in a mask fill
         self.num_compiles = 0
         self.compile_seconds = 0.0  # total, in the worker threads
@@ -80,7 +85,7 @@ class StructuredOutputs:
         return self._executor
 
     def _backend_now(self) -> GrammarBackend:
-        """The backend (building it on this thread when no one has yet)."""
+        """The backend, waiting for it to be built (on a worker thread) if needed."""
         if self._backend is None:
             self._backend = self._pool().submit(self._factory)
         return self._backend.result()
