@@ -30,6 +30,11 @@ if TYPE_CHECKING:
 # Whitespace a JSON constraint allows between tokens: bounded, so a small model cannot loop on
 # newlines until max_tokens (``disable_any_whitespace`` allows none).
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
+# Fraction digits a JSON number may have where its schema sets no ``multipleOf``: bounded for
+# the same reason (a small model's "1.000000..." never ends); a schema this bound makes
+# unsatisfiable (a range narrower than the step) is compiled without it.
+JSON_FRACTION_DIGITS = 8
+_DATA_KEYS = frozenset({"enum", "const", "default", "examples"})  # values, not subschemas
 
 _EXCERPT = re.compile(r"^\d+ \| ")
 _WHAT = {
@@ -67,8 +72,24 @@ def llg_tokenizer(
         ) from exc
 
 
-def grammar_text(constraint: StructuredOutputsParams) -> str:
-    """The llguidance grammar of ``constraint`` (not yet compiled: ``LLMatcher`` does that)."""
+def bound_numbers(node: Any) -> Any:
+    """A copy of the schema ``node`` in which every ``number`` without a ``multipleOf`` gets
+    ``multipleOf: 1e-JSON_FRACTION_DIGITS``: the outputs allowed are a subset of the schema's."""
+    if isinstance(node, list):
+        return [bound_numbers(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: v if k in _DATA_KEYS else bound_numbers(v) for k, v in node.items()}
+    kind = node.get("type")
+    number = kind == "number" or (isinstance(kind, list) and "number" in kind)
+    if number and "multipleOf" not in node:
+        out["multipleOf"] = 10.0**-JSON_FRACTION_DIGITS
+    return out
+
+
+def grammar_text(constraint: StructuredOutputsParams, bounded: bool = True) -> str:
+    """The llguidance grammar of ``constraint`` (not yet compiled: ``LLMatcher`` does that);
+    ``bounded``: JSON numbers get at most ``JSON_FRACTION_DIGITS`` fraction digits."""
     kind = constraint.kind
     if kind in ("json", "json_object"):
         schema: Any = {"type": "object"} if kind == "json_object" else constraint.json
@@ -78,6 +99,8 @@ def grammar_text(constraint: StructuredOutputsParams) -> str:
             raise GrammarError(
                 "the JSON schema is `false`, which no output satisfies; send a schema object"
             )
+        if bounded:
+            schema = bound_numbers(schema)
         options: JsonCompileOptions = (
             {"whitespace_flexible": False}
             if constraint.disable_any_whitespace
@@ -193,10 +216,12 @@ class LLGuidanceBackend:
 
     def compile(self, constraint: StructuredOutputsParams) -> LLGuidanceGrammar:
         check_limits(constraint)
-        text = grammar_text(constraint)
         # LLMatcher never raises for a bad grammar: it starts in an error state instead. It
         # releases the GIL while it builds the lexer (up to a second for huge schemas).
-        template = llg.LLMatcher(self.tokenizer, text, log_level=0)
+        template = llg.LLMatcher(self.tokenizer, grammar_text(constraint), log_level=0)
+        if template.is_error() and constraint.kind == "json":
+            # the schema as it was sent: its own error, or a range the number bound emptied
+            template = llg.LLMatcher(self.tokenizer, grammar_text(constraint, False), log_level=0)
         if template.is_error():
             raise GrammarError(describe(constraint, str(template.get_error())))
         return LLGuidanceGrammar(template)

@@ -23,6 +23,7 @@ from loraplex.grammar import (
     backend_for,
     check,
 )
+from loraplex.grammar.llg import JSON_FRACTION_DIGITS, bound_numbers
 from loraplex.sampling_params import StructuredOutputsParams as SO
 from tests.utils.structured import write_byte_tokenizer
 
@@ -243,3 +244,24 @@ def test_parallel_fill_equals_one_by_one_and_the_engine_layout(
     for i, m in enumerate(matchers):
         one = token_bitmask(allowed(m), VOCAB)
         assert np.array_equal(together[2 + i], one)
+
+
+def test_json_numbers_have_bounded_fraction_digits(
+    backend: LLGuidanceBackend, tokenizer: Any
+) -> None:
+    """A small model's "1.0000000..." must end: numbers without a multipleOf take at most
+    JSON_FRACTION_DIGITS fraction digits (a subset of what the schema allows)."""
+    schema = {"type": "object", "properties": {"p": {"type": "number"}}, "required": ["p"]}
+    m = walk(backend, tokenizer, SO(json=schema), '{"p": 1.' + "0" * JSON_FRACTION_DIGITS)
+    (zero,) = tokenizer("0").input_ids
+    assert zero not in allowed(m)  # one more digit is refused; `}` is still allowed
+    assert tokenizer("}").input_ids[0] in allowed(m)
+    # The user's own multipleOf is kept; a range the bound would empty compiles unbounded.
+    walk(backend, tokenizer, SO(json={"type": "number", "multipleOf": 0.5}), "2.5")
+    tiny = {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1e-9}
+    backend.compile(SO(json=tiny))
+    assert bound_numbers({"enum": [{"type": "number"}], "type": ["number", "null"]}) == {
+        "enum": [{"type": "number"}],
+        "type": ["number", "null"],
+        "multipleOf": 10.0**-JSON_FRACTION_DIGITS,
+    }
