@@ -5,8 +5,10 @@ hand-written instances that validate.
 Every schema is bounded: strings carry ``maxLength``, an anchored ``pattern``, an ``enum`` or a
 ``const``; arrays carry ``maxItems``; objects are closed (``additionalProperties: false``). So
 ``longest_output`` can say how many characters the longest compact instance has, and a case's
-``max_tokens`` covers it at one token per character (a token is at least one character): a
-``finish_reason`` of ``length`` is then the engine's fault, not the budget's.
+``max_tokens`` covers it at one token per character (a token is at least one character). Numbers
+count ``NUMBER_CHARS`` and free whitespace between JSON tokens is not counted: both are bounded
+by the engine (fraction digits, whitespace runs) and are paid from the slack, since real text
+runs several characters to a token.
 """
 
 from __future__ import annotations
