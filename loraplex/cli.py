@@ -367,15 +367,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _throughput(args)
         if args.command == "bench" and args.bench == "fairness":
             from loraplex.bench.fairness import run_fairness
-            from loraplex.bench.fairness_options import options_from
+            from loraplex.bench.fairness_options import options_from as fairness_options
 
-            run_fairness(options_from(args))
+            run_fairness(fairness_options(args))
             return 0
         if args.command == "bench" and args.bench == "structured-suite":
-            from loraplex.bench.structured_options import options_from
+            from loraplex.bench.structured_options import options_from as suite_options
             from loraplex.bench.structured_suite import run_suite
 
-            result = run_suite(options_from(args))
+            result = run_suite(suite_options(args))
             return 0 if result["totals"]["all"]["valid"] == result["totals"]["all"]["n"] else 1
         if args.command == "bench" and args.bench == "structured":
             from loraplex.bench.structured import options_from as structured_options
