@@ -344,11 +344,14 @@ def run_suite(opts: SuiteOptions, log: Log = print) -> dict[str, Any]:
     jobs = plan(opts.kinds, opts.cases)
     if not jobs:
         raise ValueError(f"no case matches --kinds {','.join(opts.kinds)} --cases {opts.cases}")
+    start = time.monotonic()
     if opts.base_url and opts.api_key:
         outcomes, models = _drive(Target(opts.base_url.rstrip("/"), opts.api_key), jobs, opts, log)
     else:
         with demo_server(opts, log) as target:
+            start = time.monotonic()  # the requests' time, not the server's start
             outcomes, models = _drive(target, jobs, opts, log)
+    wall_s = round(time.monotonic() - start, 1)
     summary = totals(outcomes)
     result: dict[str, Any] = {
         "benchmark": "structured-suite",
@@ -356,6 +359,7 @@ def run_suite(opts: SuiteOptions, log: Log = print) -> dict[str, Any]:
         "options": dataclasses.asdict(opts) | {"api_key": None},
         "machine": machine(),
         "models": {"base": models[0], "adapters": list(models[1])},
+        "requests_wall_s": wall_s,
         "totals": summary,
         "cases": [dataclasses.asdict(o) for o in outcomes],
     }
@@ -364,7 +368,7 @@ def run_suite(opts: SuiteOptions, log: Log = print) -> dict[str, Any]:
     path = out / f"structured-suite-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(result, indent=2))
     log(totals_table(summary))
-    log(f"wrote {path}")
+    log(f"{len(outcomes)} requests in {wall_s} s; wrote {path}")
     return result
 
 
