@@ -660,3 +660,10 @@ async def test_official_client_tools_streamed_and_parsed(qwen_api: ScriptedAPI) 
     [streamed] = final.choices[0].message.tool_calls or []
     assert streamed.function.name == "GetWeather"
     assert streamed.function.parsed_arguments == GetWeather(city="Oslo")
+
+
+async def test_an_unknown_tool_choice_is_named_once_quoted(qwen_api: ScriptedAPI) -> None:
+    choice = {"type": "function", "function": {"name": "launch_rocket"}}
+    r = await qwen_api.http.post("/v1/chat/completions", json=_body(qwen_api, tool_choice=choice))
+    message = r.json()["error"]["message"]
+    assert "function 'launch_rocket', which" in message, message

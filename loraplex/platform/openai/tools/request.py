@@ -118,7 +118,7 @@ def tool_plan(body: ToolFields) -> ToolPlan | None:
         return None
     if named is not None and named not in {t.name for t in tools}:
         raise invalid_request(
-            f"tool_choice names the function {clip(named, 64)!r}, which is not one of the "
+            f"tool_choice names the function {clip(named, 64)}, which is not one of the "
             f"tools ({', '.join(t.name for t in tools[:10])}); name one of them.",
             "tool_choice.function.name",
             "unknown_tool",
