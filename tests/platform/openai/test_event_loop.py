@@ -23,15 +23,6 @@ from tests.utils.server import ServerThread
 MAX_LATENCY_S = 1.0
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> Any:
-    from transformers import AutoTokenizer
-
-    from loraplex.engine.default_model import resolve_model_dir
-
-    return AutoTokenizer.from_pretrained(resolve_model_dir(None))
-
-
 @pytest.fixture
 def serve(smollm2: Any) -> Iterator[Any]:
     servers: list[ServerThread] = []

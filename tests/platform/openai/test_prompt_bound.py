@@ -23,15 +23,6 @@ LONGEST = "\n" + " " * 80  # SmolLM2's longest token: "ĊĠĠ...Ġ", 81 bytes
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<issue_comment>", "<jupyter_output>"]
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> Any:
-    from transformers import AutoTokenizer
-
-    from loraplex.engine.default_model import resolve_model_dir
-
-    return AutoTokenizer.from_pretrained(resolve_model_dir(None))
-
-
 def _count(tokenizer: Any, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False, verbose=False).input_ids)
 

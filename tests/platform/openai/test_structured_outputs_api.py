@@ -31,13 +31,6 @@ PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 BODIES = {"chat": CHAT, "completions": COMPLETION}
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_dir())
-
-
 @pytest.fixture
 async def api(smollm2: Any) -> AsyncIterator[ScriptedAPI]:
     async with scripted_api(smollm2, smollm2_dir()) as api:

@@ -35,13 +35,6 @@ TOOLS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_dir())
-
-
 @pytest.fixture
 async def api(smollm2: Any) -> AsyncIterator[ScriptedAPI]:
     async with scripted_api(smollm2, smollm2_dir()) as api:

@@ -198,13 +198,6 @@ def test_one_call_when_parallel_calls_are_off() -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_dir())
-
-
-@pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return tokenizer_copy(tmp_path_factory.mktemp("tok") / "qwen-style", QWEN_TEMPLATE)
 
