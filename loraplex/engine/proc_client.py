@@ -136,6 +136,7 @@ class ProcEngineClient(StreamingClient):
         self.join_timeout = join_timeout
         self.startup_timeout = startup_timeout
         self.last_restart_seconds: float | None = None  # death seen -> new child ready
+        self._died_at: float | None = None  # while restarting: when the death was seen
         self._loop: asyncio.AbstractEventLoop | None = None
         self._proc: BaseProcess | None = None
         self._channel: _Channel | None = None  # None while no ready child serves requests
@@ -238,6 +239,10 @@ class ProcEngineClient(StreamingClient):
                 )
                 self._loras.drop(spec.key)
         self._loras.drop_unowned()
+        if self._died_at is not None:  # counted with healthy, in one callback: never seen apart
+            self.engine_restarts += 1
+            self.last_restart_seconds = time.monotonic() - self._died_at
+            self._died_at = None
         self._healthy = True
 
     def _on_message(self, gen: int, msg: Message) -> None:
@@ -309,6 +314,7 @@ class ProcEngineClient(StreamingClient):
                 "restarting it"
             )
         delay = 0.5
+        self._died_at = died_at
         while self._shutdown is None:
             try:
                 await self._spawn()
@@ -318,9 +324,7 @@ class ProcEngineClient(StreamingClient):
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _MAX_RESTART_DELAY_S)
                 continue
-            self.engine_restarts += 1
-            self.last_restart_seconds = time.monotonic() - died_at
-            logger.warning("engine process restarted in %.1f s", self.last_restart_seconds)
+            logger.warning("engine process restarted in %.1f s", self.last_restart_seconds or 0.0)
             return
 
     def _startup_error(self, why: str) -> EngineStartupError:
