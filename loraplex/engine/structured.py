@@ -204,6 +204,8 @@ class StructuredOutputs:
     def fill_masks(self, out: SchedulerOutput) -> None:
         """Put the allowed-token bitmask of every constrained sampling row (forks under their
         own ids) into ``out.token_masks``."""
+        if not self._matchers:  # no constrained request running: the step pays nothing
+            return
         ids = [s.request_id for s in out.requests if s.sample and s.params.structured_outputs]
         ids += [f.request_id for f in out.forks if f.params.structured_outputs]
         rows = [(self._matchers[rid], rid) for rid in ids if rid in self._matchers]
