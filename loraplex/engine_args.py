@@ -139,7 +139,13 @@ def engine_config(model: str | None = None, **knobs: Any) -> EngineConfig:
     sections: dict[Section, dict[str, Any]] = {s: {} for s in _RECORDS}
     sections["model"]["model"] = model
     for name, value in knobs.items():
-        sections[_BY_NAME[name].section][name] = value
+        arg = _BY_NAME[name]
+        if isinstance(value, str) and arg.type is memory_size:  # LLM(lora_memory="625MB")
+            try:
+                value = memory_size(value)
+            except argparse.ArgumentTypeError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        sections[arg.section][name] = value
     return EngineConfig(**{s: _RECORDS[s](**kw) for s, kw in sections.items()})
 
 

@@ -128,6 +128,21 @@ def test_bad_adapter_refused_with_its_error(env: tuple[str, list[str]], tmp_path
     assert err.value.code == "missing_file"
 
 
+def test_an_adapter_larger_than_the_pool_is_refused_at_add_time(
+    env: tuple[str, list[str]],
+) -> None:
+    model_dir, adapters = env
+    probe = LLM(model_dir, max_model_len=64).llm_engine.core.runner.lora
+    assert probe is not None and probe.geometry is not None
+    page_set = sum(probe.geometry.page_bytes.values())
+    llm = LLM(model_dir, max_model_len=64, lora_memory=2 * page_set)  # 2 pages: rank 4 won't fit
+    with pytest.raises(AdapterError, match="needs 4 pages; the pool has 2") as err:
+        llm.add_lora(LoRARequest("a0", adapters[0]))
+    assert err.value.code == "pool_too_small" and "--lora-memory" in str(err.value)
+    stats = llm.engine_stats().lora
+    assert stats is not None and stats.registered == 0 and stats.pool_pages_used == 0
+
+
 def test_slot_reload_drops_prepared_weights(env: tuple[str, list[str]]) -> None:
     """One slot serves a0, then a1, then a0 again: each change rewrites the slot's page-index
     row and drops what the LoRA kernels prepared from it, so every output is the one a fresh
