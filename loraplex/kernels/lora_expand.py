@@ -107,22 +107,24 @@ def _lora_expand_kernel(
     LORAS_P2: tl.constexpr,
     UPCAST: tl.constexpr,
 ) -> None:
-    pid_mn = tl.program_id(0)
-    slice_id = tl.program_id(1)
+    # Index arithmetic in int64: pool offsets can pass 2**31, and the interpreter checks every
+    # int32 add and multiply for overflow, which makes it several times slower.
+    pid_mn = tl.program_id(0).to(tl.int64)
+    slice_id = tl.program_id(1).to(tl.int64)
     n_tiles = (MAX_N + BLOCK_N - 1) // BLOCK_N  # builtins only (see lora_shrink)
     pid_m = pid_mn // n_tiles
     pid_n = pid_mn % n_tiles
     segs = tl.arange(0, LORAS_P2)  # [P2]
     seg_tiles = (
-        tl.load(seg_lens_ptr + segs, mask=segs < max_loras, other=0) + BLOCK_M - 1
+        tl.load(seg_lens_ptr + segs, mask=segs < max_loras, other=0).to(tl.int64) + BLOCK_M - 1
     ) // BLOCK_M  # [P2]
     tiles_end = tl.associative_scan(seg_tiles, 0, _sum_combine)  # [P2] inclusive prefix sum
     if pid_m >= tl.reduce(seg_tiles, 0, _sum_combine):
         return
-    seg = tl.reduce((tiles_end <= pid_m).to(tl.int32), 0, _sum_combine)
+    seg = tl.reduce((tiles_end <= pid_m).to(tl.int64), 0, _sum_combine)
     tile = pid_m - tl.reduce(tl.where(segs == seg, tiles_end - seg_tiles, 0), 0, _sum_combine)
-    slot = tl.load(active_ptr + seg)
-    rank = tl.load(ranks_ptr + slice_id * stride_rj + slot * stride_rs)
+    slot = tl.load(active_ptr + seg).to(tl.int64)
+    rank = tl.load(ranks_ptr + slice_id * stride_rj + slot * stride_rs).to(tl.int64)
     rank = tl.where(rank > R, R, rank)  # never read past the slot's row of the page index
     if rank <= 0:
         return
@@ -140,10 +142,10 @@ def _lora_expand_kernel(
     if pid_n * BLOCK_N >= n_out:
         return
 
-    seg_len = tl.load(seg_lens_ptr + seg)
+    seg_len = tl.load(seg_lens_ptr + seg).to(tl.int64)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] row within the segment
     m_mask = offs_m < seg_len
-    seg_start = tl.load(seg_starts_ptr + seg)
+    seg_start = tl.load(seg_starts_ptr + seg).to(tl.int64)
     tok = tl.load(sorted_ptr + seg_start + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BM]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] column within slice j
     n_mask = offs_n < n_out

@@ -73,10 +73,10 @@ def check_weights_and_meta(
         raise ValueError(
             f"batch has {num_tokens} tokens but meta was prepared for {meta.num_tokens}"
         )
-    if weights.device != device or meta.device != device:
+    if weights.device != device or meta.seg_lens.device != device:  # tensor devices: indexed
         raise ValueError(
             f"the batch is on {device}, the adapter pools on {weights.device}, meta on "
-            f"{meta.device}"
+            f"{meta.seg_lens.device}"
         )
 
 
@@ -158,8 +158,10 @@ def _lora_shrink_kernel(
     LORAS_P2: tl.constexpr,
     UPCAST: tl.constexpr,
 ) -> None:
-    pid_mn = tl.program_id(0)
-    slice_id = tl.program_id(1)
+    # Index arithmetic in int64: pool offsets can pass 2**31, and the interpreter checks every
+    # int32 add and multiply for overflow, which makes it several times slower.
+    pid_mn = tl.program_id(0).to(tl.int64)
+    slice_id = tl.program_id(1).to(tl.int64)
     # Builtins only: a @jit helper of triton.language (tl.cdiv, tl.zeros, tl.sum) fails under
     # TRITON_INTERPRET=1 when triton was imported before the variable was set.
     n_tiles = (R + BLOCK_N - 1) // BLOCK_N
@@ -169,15 +171,15 @@ def _lora_shrink_kernel(
     # prefix sum over them; unused segments (length 0) add no tiles.
     segs = tl.arange(0, LORAS_P2)  # [P2]
     seg_tiles = (
-        tl.load(seg_lens_ptr + segs, mask=segs < max_loras, other=0) + BLOCK_M - 1
+        tl.load(seg_lens_ptr + segs, mask=segs < max_loras, other=0).to(tl.int64) + BLOCK_M - 1
     ) // BLOCK_M  # [P2]
     tiles_end = tl.associative_scan(seg_tiles, 0, _sum_combine)  # [P2] inclusive prefix sum
     if pid_m >= tl.reduce(seg_tiles, 0, _sum_combine):
         return
-    seg = tl.reduce((tiles_end <= pid_m).to(tl.int32), 0, _sum_combine)
+    seg = tl.reduce((tiles_end <= pid_m).to(tl.int64), 0, _sum_combine)
     tile = pid_m - tl.reduce(tl.where(segs == seg, tiles_end - seg_tiles, 0), 0, _sum_combine)
-    slot = tl.load(active_ptr + seg)
-    rank = tl.load(ranks_ptr + slice_id * stride_rj + slot * stride_rs)
+    slot = tl.load(active_ptr + seg).to(tl.int64)
+    rank = tl.load(ranks_ptr + slice_id * stride_rj + slot * stride_rs).to(tl.int64)
     rank = tl.where(rank > R, R, rank)  # never read past the slot's row of the page index
     if pid_n * BLOCK_N >= rank:
         return
@@ -187,10 +189,10 @@ def _lora_shrink_kernel(
     if slice_id == 2:
         a_ptr = a2_ptr
 
-    seg_len = tl.load(seg_lens_ptr + seg)
+    seg_len = tl.load(seg_lens_ptr + seg).to(tl.int64)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] row within the segment
     m_mask = offs_m < seg_len
-    seg_start = tl.load(seg_starts_ptr + seg)
+    seg_start = tl.load(seg_starts_ptr + seg).to(tl.int64)
     tok = tl.load(sorted_ptr + seg_start + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BM]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] rank column
     n_mask = offs_n < rank
