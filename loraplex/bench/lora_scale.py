@@ -115,18 +115,17 @@ def weight_traffic(
     """Weight bytes one decode step reads: the base model's against its distinct adapters'.
 
     Decode step t (1 .. max - 1) runs every request with more than t output tokens (all requests
-    decode together when ``max_num_seqs`` >= the requests); it reads each distinct adapter among
-    them once. If steps were bound by weight bytes read, tokens/s with adapters over without
-    could be at most base / (base + adapters)."""
+    decode together when ``max_num_seqs`` >= the requests; an upper estimate when the pool holds
+    fewer adapters than that); it reads each distinct adapter among them once. If every step
+    took time in proportion to the weight bytes it reads, tokens/s with adapters over without
+    would be base / (base + adapters)."""
     base = shape.decode_weight_bytes(vbytes)
-    per_step = [
-        sum(sizes[k] for k in {assignment[i] for i, n in enumerate(output_lens) if n > t})
+    steps = [
+        {assignment[i] for i, n in enumerate(output_lens) if n > t}
         for t in range(1, max(output_lens))
-    ]
-    counts = [
-        len({assignment[i] for i, n in enumerate(output_lens) if n > t})
-        for t in range(1, max(output_lens))
-    ]
+    ]  # the distinct adapters of each decode step
+    per_step = [sum(sizes[k] for k in step) for step in steps]
+    counts = [len(step) for step in steps]
     mean = statistics.fmean(per_step) if per_step else 0.0
     peak = max(per_step, default=0)
     return {
