@@ -107,8 +107,7 @@ def _lora_expand_kernel(
     LORAS_P2: tl.constexpr,
     UPCAST: tl.constexpr,
 ) -> None:
-    # Index arithmetic in int64: pool offsets can pass 2**31, and the interpreter checks every
-    # int32 add and multiply for overflow, which makes it several times slower.
+    # Index arithmetic in int64: offsets into a large pool (pages * width) can pass 2**31.
     pid_mn = tl.program_id(0).to(tl.int64)
     slice_id = tl.program_id(1).to(tl.int64)
     n_tiles = (MAX_N + BLOCK_N - 1) // BLOCK_N  # builtins only (see lora_shrink)
