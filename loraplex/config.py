@@ -124,13 +124,16 @@ class LoRAConfig:
     ``lora_memory`` sizes the device page pool: bytes (an int), or a fraction of the KV cache's
     bytes (a float in (0, 1]); None: room for ``max_loras`` adapters at ``max_lora_rank``. Every
     adapter takes exactly its rank's pages, so a pool that holds 4 rank-64 adapters holds 32 of
-    rank 8.
+    rank 8. ``lora_dtype`` is the pool's storage type (``auto``: the model's); kernels compute in
+    the activations' type, so a float16 or bfloat16 pool under an fp32 model halves the bytes a
+    step reads for its adapters at a rounding of the adapter weights (float16: 11 bits).
     """
 
     max_loras: int = 4
     max_cpu_loras: int = 16
     max_lora_rank: int = 64
     lora_memory: int | float | None = None
+    lora_dtype: DType = "auto"
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_loras <= MAX_LORAS:
@@ -150,6 +153,10 @@ class LoRAConfig:
             )
         if isinstance(mem, int) and mem < 1:
             raise ValueError(f"lora_memory must be a positive number of bytes; got {mem}")
+        if self.lora_dtype not in get_args(DType):
+            raise ValueError(
+                f"lora_dtype must be one of {', '.join(get_args(DType))}; got {self.lora_dtype!r}"
+            )
 
 
 @dataclass(frozen=True)

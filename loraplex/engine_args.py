@@ -99,6 +99,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("lora_memory", "lora",
               "device memory for adapter pages: bytes (625MB, 2GiB) or a fraction of the KV "
               "cache (0.25); default: max_loras adapters at max_lora_rank", memory_size),
+    EngineArg("lora_dtype", "lora", "adapter pool storage (auto: the model's dtype; float16 "
+              "halves the adapter bytes each step reads)", choices=get_args(DType)),
     EngineArg("max_cpu_loras", "lora", "adapters kept in host memory", positive_int),
     EngineArg("max_lora_rank", "lora", "the largest adapter rank accepted", positive_int),
 )  # fmt: skip
@@ -127,6 +129,7 @@ class EngineKwargs(TypedDict, total=False):
     max_cpu_loras: int
     max_lora_rank: int
     lora_memory: int | float | None
+    lora_dtype: DType
 
 
 def engine_config(model: str | None = None, **knobs: Any) -> EngineConfig:

@@ -71,6 +71,14 @@ GROUP_CACHE_SIZE = 2
 SLOT_CACHE_SIZE = 8
 
 
+# Activation dtypes a pool dtype may serve: a half-precision pool under fp32 activations
+# (``lora_dtype``) is upcast as it is read; otherwise pool and activations agree.
+_ACT_DTYPES: dict[torch.dtype, tuple[torch.dtype, ...]] = {
+    torch.float16: (torch.float16, torch.float32),
+    torch.bfloat16: (torch.bfloat16, torch.float32),
+}
+
+
 @dataclass
 class SlotForm:
     """One slot's rows as the per-segment torch path multiplies them, at its ranks."""
@@ -102,7 +110,10 @@ class TorchLoRACache:
 
     def __init__(self, weights: LoRALayerWeights) -> None:
         self._w = weights
-        self.dtype, self.device = weights.dtype, weights.device
+        self.dtype, self.device = weights.dtype, weights.device  # the pool's
+        # The activations' dtype, fixed by the first call: gathered forms are kept in it (a
+        # float16 or bfloat16 pool under fp32 activations is upcast once per form).
+        self.act_dtype: torch.dtype | None = None
         self.max_loras, self.in_features = weights.max_loras, weights.in_features
         ends = [off + n for off, n in zip(weights.slice_offsets, weights.widths, strict=True)]
         self.out_end = max(ends)  # y needs at least this many columns
@@ -147,6 +158,10 @@ class TorchLoRACache:
             self._slot_rank = [max(col) for col in zip(*self.ranks, strict=True)]
         return self._slot_rank
 
+    @property
+    def _act(self) -> torch.dtype:
+        return self.dtype if self.act_dtype is None else self.act_dtype
+
     def _rows(self, j: int, slot: int, r: int) -> torch.Tensor:
         return self._w.pages[j, slot, :r].to(torch.int64)  # [r] pool rows
 
@@ -170,8 +185,8 @@ class TorchLoRACache:
                     b_parts.append(None)
                     continue
                 rows = self._rows(j, slot, r)
-                a_parts.append(w.lora_a[j].index_select(0, rows).t())  # [in, r]
-                b_parts.append(w.lora_b[j].index_select(0, rows))  # [r, n_j]
+                a_parts.append(w.lora_a[j].index_select(0, rows).to(self._act).t())  # [in, r]
+                b_parts.append(w.lora_b[j].index_select(0, rows).to(self._act))  # [r, n_j]
             a = torch.cat(a_parts, dim=1)  # [in, sum r_j]
             fused = None
             if len(ranks) > 1 and max(ranks) <= FUSE_MAX_RANK:
@@ -213,9 +228,9 @@ class TorchLoRACache:
             pages = w.pages[j].index_select(0, idx)[:, :r].to(torch.int64)  # [G, r]
             live = k.unsqueeze(0) < w.ranks[j].index_select(0, idx).unsqueeze(1)  # [G, r]
             rows = torch.where(live, pages, 0).view(-1)  # [G * r]; dead entries: row 0
-            keep = live.to(w.dtype).unsqueeze(2)  # [G, r, 1]
-            a_j = w.lora_a[j].index_select(0, rows).view(len(slots), r, -1) * keep  # [G, r, in]
-            b_j = w.lora_b[j].index_select(0, rows).view(len(slots), r, -1) * keep  # [G, r, n_j]
+            keep = live.to(self._act).unsqueeze(2)  # [G, r, 1]
+            a_j = w.lora_a[j].index_select(0, rows).to(self._act).view(len(slots), r, -1) * keep
+            b_j = w.lora_b[j].index_select(0, rows).to(self._act).view(len(slots), r, -1) * keep
             a_parts.append(a_j.transpose(1, 2))  # [G, in, r]
             b_parts.append(b_j)
         a = torch.cat(a_parts, dim=2).contiguous()  # [G, in, S * r]
@@ -282,7 +297,7 @@ def add_lora(
     if not meta.has_lora:
         return
     chosen = backend or select_backend(x.device, x.dtype)
-    if chosen == "triton":
+    if chosen == "triton" and weights.dtype == x.dtype:
         buf = meta.workspace(weights.num_slices, weights.max_rank)  # [S, T, max_rank] fp32
         lora_shrink(x, weights, meta, buf)
         lora_expand(buf, weights, meta, y)
@@ -311,10 +326,12 @@ def _check_torch_args(
     y: torch.Tensor, x: torch.Tensor, w: TorchLoRACache, meta: LoRAKernelMeta
 ) -> None:
     # The pools were validated once by LoRALayerWeights; here only what varies per call.
-    if x.dim() != 2 or y.dim() != 2 or x.dtype != w.dtype or y.dtype != w.dtype:
+    if w.act_dtype is None and x.dtype in _ACT_DTYPES.get(w.dtype, (w.dtype,)):
+        w.act_dtype = x.dtype
+    if x.dim() != 2 or y.dim() != 2 or x.dtype != w.act_dtype or y.dtype != w.act_dtype:
         raise ValueError(
-            f"x [T, in] and y [T, out] must be 2-D {w.dtype} like the adapter pool, got "
-            f"x {x.dtype} {tuple(x.shape)}, y {y.dtype} {tuple(y.shape)}"
+            f"x [T, in] and y [T, out] must be 2-D {w.act_dtype or w.dtype} (the adapter pool "
+            f"is {w.dtype}), got x {x.dtype} {tuple(x.shape)}, y {y.dtype} {tuple(y.shape)}"
         )
     if x.shape[0] != meta.num_tokens or y.shape[0] != meta.num_tokens:
         raise ValueError(

@@ -80,7 +80,7 @@ class LoRALinear(nn.Module):
                 f"layer's {tuple(self.sizes)} at {tuple(self.offsets)}"
             )
         self.weights = weights
-        self.backend = select_backend(weights.device, weights.dtype)
+        self.backend = select_backend(weights.device, self.base.weight.dtype)  # activations
 
     def write_rows(
         self,

@@ -39,6 +39,8 @@ from loraplex.lora.pool import AdapterPool, PoolFullError, Residency
 
 logger = logging.getLogger(__name__)
 
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
 
 @dataclass
 class LoRAStats:
@@ -126,6 +128,10 @@ class LoRAManager:
         self._failed: dict[str, BaseException] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._copy_stream: Any = None
+        model_dtype = self.layers[0][1].base.weight.dtype
+        self.dtype: torch.dtype = (
+            model_dtype if config.lora_dtype == "auto" else _DTYPES[config.lora_dtype]
+        )  # the pool's storage type
 
     # ---- the pool --------------------------------------------------------------------------
 
@@ -140,8 +146,7 @@ class LoRAManager:
     def plan_pool(self, kv_cache_bytes: int | None = None) -> PoolGeometry:
         """Pages per module from ``lora_memory`` (bytes, or a fraction of the KV cache's bytes;
         None: room for ``max_loras`` adapters at ``max_lora_rank``)."""
-        _, layer = self.layers[0]
-        esize = layer.base.weight.element_size()
+        esize = self.dtype.itemsize
         page_bytes = {m: self.num_layers * (i + o) * esize for m, (i, o) in self._dims().items()}
         per_page_set = sum(page_bytes.values())
         budget = self.config.lora_memory
@@ -179,17 +184,17 @@ class LoRAManager:
         )
         self._slot_ranks = torch.zeros(M, cfg.max_loras, dtype=i32, device=self.device)
         for _, layer in self.layers:
-            w = layer.base.weight
+            dev = layer.base.weight.device
             m0 = self._module_index[layer.module_names[0]]
             S = len(layer.module_names)
             layer.bind(
                 LoRALayerWeights(
                     lora_a=tuple(
-                        torch.zeros(P, layer.in_features, dtype=w.dtype, device=w.device)
+                        torch.zeros(P, layer.in_features, dtype=self.dtype, device=dev)
                         for _ in range(S)
                     ),  # per slice [P, in]
                     lora_b=tuple(
-                        torch.zeros(P, n, dtype=w.dtype, device=w.device) for n in layer.sizes
+                        torch.zeros(P, n, dtype=self.dtype, device=dev) for n in layer.sizes
                     ),  # per slice [P, n_j]
                     pages=self._pages[m0 : m0 + S],
                     ranks=self._slot_ranks[m0 : m0 + S],
@@ -231,12 +236,13 @@ class LoRAManager:
                 f"adapter {name!r} does not fit the device adapter pool: {exc}; raise "
                 "--lora-memory",
             ) from exc
+        if self.dtype == torch.float16:
+            self._check_half_range(adapter)
         self.stats.disk_loads += 1
         self._sources[key] = Path(source)
         self._names[key] = name
         self._ranks[key] = ranks
-        _, layer = self.layers[0]
-        esize = layer.base.weight.element_size()
+        esize = self.dtype.itemsize
         self._sizes[key] = sum(
             (a.shape[0] * (a.shape[1] + b.shape[0])) * esize for a, b in adapter.weights.values()
         )
@@ -244,6 +250,21 @@ class LoRAManager:
         if pinned:
             self.pin(key)
         return adapter
+
+    def _check_half_range(self, adapter: LoRAAdapter) -> None:
+        """A float16 pool cannot hold values beyond +-65504 (B with its scaling folded in)."""
+        limit = torch.finfo(torch.float16).max
+        for (layer, module), (a, b) in adapter.weights.items():
+            big = max(
+                float(a.abs().max()), float(b.abs().max()) * adapter.scaling_of(layer, module)
+            )
+            if big > limit:
+                raise AdapterError(
+                    "bad_dtype",
+                    f"adapter {adapter.name!r} has a weight of magnitude {big:.3g} in layer "
+                    f"{layer} {module}, beyond float16's range; serve it with --lora-dtype "
+                    "bfloat16 or float32",
+                )
 
     def _module_ranks(self, adapter: LoRAAdapter) -> dict[str, int]:
         ranks: dict[str, int] = {}

@@ -64,6 +64,8 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 SCENARIOS = {
     "all-slots": dict(max_loras=4),
+    # the pool stored in float16 under fp32 activations (half the bytes each step reads)
+    "float16-pool": dict(max_loras=4, lora_dtype="float16"),
     "swapping": dict(max_loras=2, max_cpu_loras=2),
     "chunked-preempt": dict(
         max_loras=2, max_num_batched_tokens=9, block_size=4, num_blocks=20, max_model_len=64
@@ -100,7 +102,7 @@ def test_mixed_batch_matches_peft(setup, scenario: str) -> None:  # type: ignore
     diverged = assert_close(ours, ref, labels)
     assert diverged <= 2, f"{diverged} of {len(names)} sequences diverged within float noise"
     stats = llm.engine_stats()
-    if scenario != "all-slots":
+    if scenario in SMALL_POOL:
         # 4 adapters through 2 slots and a pool too small for all of them: adapters were
         # evicted from the pool and loaded again, and no step waited for a copy
         assert stats.lora.slot_loads >= len(ADAPTERS) > SCENARIOS[scenario]["max_loras"], stats
@@ -114,6 +116,17 @@ def test_mixed_batch_matches_peft(setup, scenario: str) -> None:  # type: ignore
         assert stats.lora.host_evictions > 0 and stats.lora.disk_loads > len(ADAPTERS), stats
     if scenario == "chunked-preempt":
         assert stats.num_preemptions > 0, stats
+    if scenario == "float16-pool":  # exactly the adapters' weights, at 2 bytes a value
+        from loraplex.lora.adapter import load_adapter
+
+        mgr = llm.llm_engine.core.runner.lora
+        assert mgr is not None
+        values = sum(
+            a.numel() + b.numel()
+            for path in adapters.values()
+            for a, b in load_adapter(path, mgr.base_info, max_rank=64).weights.values()
+        )
+        assert stats.lora.pool_bytes_used == stats.lora.adapter_bytes == 2 * values, stats
     assert stats.kv_blocks_used == 0
 
 

@@ -143,6 +143,27 @@ def test_an_adapter_larger_than_the_pool_is_refused_at_add_time(
     assert stats is not None and stats.registered == 0 and stats.pool_pages_used == 0
 
 
+def test_a_float16_pool_refuses_weights_beyond_its_range(
+    env: tuple[str, list[str]], tmp_path: Path
+) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model_dir, adapters = env
+    big = tmp_path / "big"
+    shutil.copytree(adapters[0], big)
+    weights = load_file(str(big / "adapter_model.safetensors"))
+    name = next(k for k in weights if "lora_B" in k)
+    weights[name] = weights[name] * 1e6
+    save_file(weights, str(big / "adapter_model.safetensors"))
+    llm = LLM(model_dir, max_model_len=64, lora_dtype="float16")
+    with pytest.raises(AdapterError, match=r"beyond float16's range.*--lora-dtype bfloat16") as err:
+        llm.add_lora(LoRARequest("big", str(big)))
+    assert err.value.code == "bad_dtype"
+    LLM(model_dir, max_model_len=64, lora_dtype="bfloat16").add_lora(LoRARequest("big", str(big)))
+
+
 def test_slot_reload_drops_prepared_weights(env: tuple[str, list[str]]) -> None:
     """One slot serves a0, then a1, then a0 again: each change rewrites the slot's page-index
     row and drops what the LoRA kernels prepared from it, so every output is the one a fresh
