@@ -47,10 +47,11 @@ from loraplex.bench.common import (
 )
 from loraplex.bench.flops import ModelShape
 from loraplex.bench.multi_lora import check_lengths, run_order
+from loraplex.bench.pool_sizing import pool_plan, value_bytes
 from loraplex.bench.report import write_json
 from loraplex.bench.systems import RunResult, flat_stats
 from loraplex.bench.workload import encode, make_workload
-from loraplex.config import MAX_LORAS, DType
+from loraplex.config import MAX_LORAS
 
 # Issue 15: loraplex with N distinct adapters over loraplex without, at least this.
 RATIO_TARGETS = {32: 0.9, 64: 0.85, 128: 0.75}
@@ -79,30 +80,6 @@ TIMED_COUNTERS = (
     "lora_host_evictions",
     "num_preemptions",
 )
-
-
-def value_bytes(dtype: DType) -> int:
-    """Bytes per weight value of the engine's pool (the base weights' dtype; ``auto``: float32
-    on CPU, bfloat16 on CUDA)."""
-    if dtype == "auto":
-        import torch
-
-        return 2 if torch.cuda.is_available() else 4
-    return 4 if dtype == "float32" else 2
-
-
-def pool_plan(opts: ThroughputOptions, n: int, sizes: Sequence[int]) -> tuple[int | float, int]:
-    """The engine's ``lora_memory`` for N adapters and how many of adapters 0 .. N-1 it holds
-    (an estimate for a fraction of the KV cache: N)."""
-    if opts.lora_memory is not None:
-        if isinstance(opts.lora_memory, float):
-            return opts.lora_memory, n
-        budget, holds = opts.lora_memory, 0
-        while holds < n and sum(sizes[: holds + 1]) <= budget:
-            holds += 1
-        return budget, holds
-    k = opts.pool_adapters or n
-    return sum(sizes[:k]), min(k, n)
 
 
 def weight_traffic(
@@ -164,7 +141,7 @@ def _run(opts: ThroughputOptions, say: Log, adapter_root: Path) -> dict[str, Any
     lens = workload.output_lens
     registered = opts.registered
     ranks = adapter_ranks(registered, opts.ranks)
-    vbytes = value_bytes(opts.engine.dtype)
+    vbytes = value_bytes(opts.engine.lora_dtype)
     sizes = [shape.lora_bytes(r, vbytes) for r in ranks]  # real bytes of each adapter
     say(f"model: {model_dir}")
     say(

@@ -125,9 +125,9 @@ def _run(opts: ThroughputOptions, say: Log, adapter_root: Path) -> dict[str, Any
         "max_lora_rank": opts.max_lora_rank,
     }
     if opts.lora_memory is not None or opts.pool_adapters is not None:
-        from loraplex.bench.lora_scale import pool_plan, value_bytes
+        from loraplex.bench.pool_sizing import pool_plan, value_bytes
 
-        vbytes = value_bytes(opts.engine.dtype)
+        vbytes = value_bytes(opts.engine.lora_dtype)
         sizes = [shape.lora_bytes(r, vbytes) for r in adapter_ranks(n_adapters, opts.ranks)]
         engine_overrides["lora_memory"] = pool_plan(opts, n_adapters, sizes)[0]
 

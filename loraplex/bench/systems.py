@@ -84,6 +84,7 @@ BENCH_KNOBS = (
     "num_blocks",
     "enable_prefix_caching",
     "dtype",
+    "lora_dtype",
 )
 
 
@@ -111,6 +112,12 @@ class EngineArgs:
     @property
     def dtype(self) -> DType:
         return self.config.model.dtype
+
+    @property
+    def lora_dtype(self) -> DType:
+        """The adapter pool's storage type (``auto``: the model's)."""
+        lora = self.config.lora.lora_dtype
+        return self.dtype if lora == "auto" else lora
 
     @property
     def enable_prefix_caching(self) -> bool:

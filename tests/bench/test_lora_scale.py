@@ -14,7 +14,8 @@ from loraplex.bench.adapter_options import adapter_options_from
 from loraplex.bench.adapters import adapter_ranks, assign_adapters
 from loraplex.bench.common import ThroughputOptions
 from loraplex.bench.flops import ModelShape
-from loraplex.bench.lora_scale import pool_plan, weight_traffic
+from loraplex.bench.lora_scale import weight_traffic
+from loraplex.bench.pool_sizing import pool_plan
 from loraplex.bench.throughput import run_throughput
 from loraplex.cli import build_parser, main
 from tests.utils.models import english_tokenizer, make_tiny_model
