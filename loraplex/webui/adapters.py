@@ -129,8 +129,8 @@ class Residency:
         if tier is None:
             return "disk", "Stored in the registry; loaded into the engine at its first request."
         return tier, {
-            "device": "In a device slot: requests use it without loading anything.",
-            "host": "In host memory: copied to a device slot when a request needs it.",
+            "device": "In the device adapter pool: requests use it without loading anything.",
+            "host": "In host memory: copied into the device pool when a request needs it.",
             "disk": "Registered with the engine, read from disk when a request needs it.",
         }.get(tier, "")
 
