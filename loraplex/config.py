@@ -31,6 +31,8 @@ class ModelConfig:
     seed: int = 0
     # auto: the native CPU kernel where it runs (CPU, float32, built), else torch
     attention_backend: AttentionBackendName = "auto"
+    # never capture CUDA graphs; capture happens only on CUDA with attention_backend=triton
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
