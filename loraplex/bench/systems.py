@@ -75,6 +75,8 @@ BENCH_KNOBS = (
     "num_blocks",
     "enable_prefix_caching",
     "dtype",
+    "attention_backend",
+    "enforce_eager",
 )
 
 

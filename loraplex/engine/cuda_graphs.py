@@ -268,18 +268,20 @@ class DecodeGraphRunner:
         self.positions[n:b].zero_()
         self.slot_mapping[:n].copy_(layout.slot_mapping)
         self.slot_mapping[n:b].fill_(PAD_SLOT)
-        # host: seq_lens [b] | tables [b, W]; pad rows attend one key of the null block
+        # host: seq_lens [b] | tables [b, w], one H2D copy. Pad rows attend one key of the null
+        # block; columns past w keep older entries, which no row reads (it stops at its length).
         w = layout.block_tables.shape[1]
-        host = self._host[: b * (1 + self.max_blocks)]
-        host[:] = 0
+        host = self._host[: b * (1 + w)]
         host[:n] = layout.seq_lens
         host[n:b] = 1
-        tables = host[b:].reshape(b, self.max_blocks)
-        tables[:n, :w] = layout.block_tables
+        tables = host[b:].reshape(b, w)
+        tables[:n] = layout.block_tables
+        tables[n:] = 0
         staged = self._device_host[: host.size]
         staged.copy_(torch.from_numpy(host))
         self.seq_lens[:b].copy_(staged[:b])
-        self.block_tables[:b].copy_(staged[b:].view(b, self.max_blocks))
+        self.block_tables[:b, :w].copy_(staged[b:].view(b, w))
+        self.block_tables[n:b, w:].zero_()  # pad rows: the null block everywhere
         if self.lora is not None:
             slots = self.token_slots[:b]
             slots[:n].copy_(torch.from_numpy(lora_slots))
