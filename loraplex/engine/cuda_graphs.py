@@ -156,8 +156,10 @@ class Model(Protocol):
 class DecodeGraphRunner:
     """Decode steps through captured forwards at batch buckets, inputs in static buffers.
 
-    Graphs are captured lazily, the first time a bucket is needed (the largest bucket first on
-    CUDA would share memory best; lazy capture keeps start-up and tests cheap).
+    Every bucket is captured at the first decode step the graphs can run (largest first, so the
+    smaller graphs reuse its memory pool), from buffers holding only pad rows: nothing is
+    written to the KV cache while capturing. Capture waits for that step because with LoRA the
+    adapter stacks must exist first (``GraphLoRA.ready``).
     """
 
     def __init__(
@@ -237,8 +239,7 @@ class DecodeGraphRunner:
         return nullcontext() if self.lora is None else self.lora.active()
 
     def _capture_bucket(self, b: int) -> Forward:
-        """Capture bucket b; the buffers hold this step's inputs (refreshed), so the warm-up run
-        computes this step (a decode step is idempotent: the replay rewrites the same slots)."""
+        """Capture bucket b from the buffers as they are (``capture_all`` fills them with pads)."""
         if self.lora is not None:
             # every row on slot 0, so that the LoRA kernels are in the graph (a prepared meta
             # with no adapter token would skip them at capture, and in every replay)
@@ -247,7 +248,7 @@ class DecodeGraphRunner:
         fn = self._capture.capture(self._forward_fn(b))
         self._graphs[b] = fn
         if self.lora is not None:
-            self.lora.meta.prepare(self.token_slots[:b])  # this step's own slots again
+            self.lora.meta.prepare(self.token_slots[:b])  # the buffers' own slots again
         return fn
 
     def refresh(
@@ -289,6 +290,19 @@ class DecodeGraphRunner:
             self.lora.meta.prepare(slots)
         return b
 
+    def capture_all(self) -> None:
+        """Capture every bucket not captured yet, largest first, over pad rows only."""
+        for b in reversed(self.buckets):
+            if b in self._graphs:
+                continue
+            self.input_ids[:b].zero_()
+            self.positions[:b].zero_()
+            self.slot_mapping[:b].fill_(PAD_SLOT)
+            self.seq_lens[:b].fill_(1)
+            self.block_tables[:b].zero_()
+            self.token_slots[:b].fill_(-1)
+            self._capture_bucket(b)
+
     def run(
         self,
         input_ids: torch.Tensor,  # [n] int64
@@ -296,10 +310,11 @@ class DecodeGraphRunner:
         layout: BatchLayout,
         lora_slots: np.ndarray,  # [n] int64
     ) -> torch.Tensor:  # [n, hidden], valid until the next replay
-        """Refresh the static buffers and replay the step's bucket (captured at first use)."""
+        """Refresh the static buffers and replay the step's bucket (capturing all first)."""
+        if len(self._graphs) < len(self.buckets) and self.can_run(layout):
+            self.capture_all()
         b = self.refresh(input_ids, positions, layout, lora_slots)
-        fn = self._graphs.get(b) or self._capture_bucket(b)
-        return fn()[: len(layout.query_lens)]
+        return self._graphs[b]()[: len(layout.query_lens)]
 
     def buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every static input buffer (name, tensor): for checks that addresses never change."""

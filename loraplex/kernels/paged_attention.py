@@ -86,6 +86,7 @@ def _paged_attention_kernel(
     NUM_SEGMENTS: tl.constexpr,
     INTERPRET: tl.constexpr,
     UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (no TF32: fp32 means fp32), else "tf32"
 ) -> None:
     qblock = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -168,7 +169,7 @@ def _paged_attention_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, k) * scale_log2  # [BM, TN]
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BM, TN]
         visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])  # causal within the chunk
         s = tl.where(visible, s, float("-inf"))
         if INTERPRET:  # noqa: SIM108 (a constexpr branch: the GPU never compiles the other)
@@ -184,7 +185,7 @@ def _paged_attention_kernel(
         else:
             p_sum = tl.sum(p, 1)
         l_i = l_i * alpha + p_sum
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)  # [BM, Dp]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     if NUM_SEGMENTS == 1:
@@ -393,6 +394,7 @@ def paged_attention(
         BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, BLOCK_SIZE=block_size,
         NUM_SEGMENTS=num_segments, INTERPRET=interpret,
         UPCAST=interpret and q.dtype == torch.bfloat16,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     if num_segments > 1:
         merge[(num_tokens, num_heads)](
