@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -200,7 +201,7 @@ def _paged_attention_kernel(
         tl.store(
             seg_acc_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :],
             acc,
-            mask=row_ok[:, None],
+            mask=row_ok[:, None] & (offs_d < HEAD_DIM_P)[None, :],
         )
         tl.store(seg_max_ptr + part, m_i, mask=row_ok)
         tl.store(seg_sum_ptr + part, l_i, mask=row_ok)
@@ -235,7 +236,9 @@ def _merge_segments_kernel(
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
     w = tl.exp2(m - m_all)  # [Sp], 0 for empty segments
     acc = tl.load(
-        seg_acc_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :], mask=s_ok[:, None], other=0.0
+        seg_acc_ptr + part[:, None] * HEAD_DIM_P + offs_d[None, :],
+        mask=s_ok[:, None] & (offs_d < HEAD_DIM_P)[None, :],
+        other=0.0,
     )  # [Sp, Dp]
     if INTERPRET:
         total = tl.reduce(w * l_s, 0, tl.standard._sum_combine)
@@ -318,14 +321,28 @@ def _check_args(
         raise ValueError(f"query_start_loc is on {query_start_loc.device}, q on {q.device}")
 
 
-def tile_config(max_query_len: int, group: int) -> tuple[int, int, int]:
-    """(BLOCK_Q, BLOCK_M, TILE_N): 16-row tiles for decode batches, 64 rows for prefill chunks.
+@dataclass(frozen=True)
+class TileConfig:
+    block_q: int  # query tokens per program
+    block_m: int  # rows per program: block_q * (query heads per KV head, to a power of 2)
+    tile_n: int  # keys per inner-loop step
+    num_warps: int
+    num_stages: int
 
-    ``tl.dot`` needs at least 16 in every dimension on the GPU, so BLOCK_M >= 16 always.
-    """
+
+def tile_config(max_query_len: int, group: int, head_dim: int) -> TileConfig:
+    """16-row tiles for decode batches, 64 rows for prefill chunks (``tl.dot`` needs at least 16
+    in every dimension on the GPU). Large head sizes get narrower key tiles and fewer pipeline
+    stages so that q, and the K/V tiles in flight, fit in shared memory."""
     group_p = _next_pow2(group)
-    block_m = max(16 if max_query_len <= 1 else 64, group_p)
-    return block_m // group_p, block_m, 32 if max_query_len <= 1 else 64
+    head_dim_p = max(16, _next_pow2(head_dim))
+    if max_query_len <= 1:
+        block_m = max(16, group_p)
+        return TileConfig(block_m // group_p, block_m, 32, 4, 3 if head_dim_p <= 128 else 2)
+    block_m = max(64, group_p)
+    tile_n = 64 if head_dim_p <= 128 else 32
+    num_warps = 4 if head_dim_p <= 64 else 8
+    return TileConfig(block_m // group_p, block_m, tile_n, num_warps, 3 if head_dim_p <= 128 else 2)
 
 
 def paged_attention(
@@ -369,8 +386,8 @@ def paged_attention(
     group = num_heads // num_kv_heads
     group_p = _next_pow2(group)
     head_dim_p = max(16, _next_pow2(head_dim))
-    block_q, block_m, tile_n = tile_config(max_query_len, group)
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_segments)
+    tiles = tile_config(max_query_len, group, head_dim)
+    grid = (num_tokens // tiles.block_q + num_seqs, num_kv_heads, num_segments)
     if num_segments > 1:
         seg_acc = torch.empty(
             (num_tokens, num_heads, num_segments, head_dim_p), dtype=torch.float32, device=q.device
@@ -391,10 +408,11 @@ def paged_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, GROUP=group, GROUP_P=group_p,
-        BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, BLOCK_SIZE=block_size,
+        BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m, TILE_N=tiles.tile_n, BLOCK_SIZE=block_size,
         NUM_SEGMENTS=num_segments, INTERPRET=interpret,
         UPCAST=interpret and q.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     if num_segments > 1:
         merge[(num_tokens, num_heads)](
