@@ -180,6 +180,7 @@ class DecodeGraphRunner:
         self.block_size = block_size
         self._capture = capture
         self._graphs: dict[int, Forward] = {}
+        self.disabled: str | None = None  # why capture failed: decode steps then run eagerly
         n = self.buckets[-1]
         self.max_blocks = -(-max_model_len // block_size)
         self.max_model_len = max_model_len
@@ -204,7 +205,8 @@ class DecodeGraphRunner:
         """A decode-only step within the buckets, with tables that fit the static buffer."""
         n = len(layout.query_lens)
         return (
-            0 < n <= self.buckets[-1]
+            self.disabled is None
+            and 0 < n <= self.buckets[-1]
             and bool((layout.query_lens == 1).all())
             and layout.block_tables.shape[1] <= self.max_blocks
             and (self.lora is None or self.lora.ready())
@@ -309,10 +311,21 @@ class DecodeGraphRunner:
         positions: torch.Tensor,  # [n] int64
         layout: BatchLayout,
         lora_slots: np.ndarray,  # [n] int64
-    ) -> torch.Tensor:  # [n, hidden], valid until the next replay
-        """Refresh the static buffers and replay the step's bucket (capturing all first)."""
+    ) -> torch.Tensor | None:  # [n, hidden], valid until the next replay
+        """Refresh the static buffers and replay the step's bucket (capturing all first).
+
+        None when capture failed (logged once, with the error; ``disabled`` says why): the caller
+        runs the step eagerly, as it does every later one. Capture writes no KV (pad rows only),
+        so nothing is left half-done.
+        """
         if len(self._graphs) < len(self.buckets) and self.can_run(layout):
-            self.capture_all()
+            try:
+                self.capture_all()
+            except Exception as exc:  # a capture bug must not take the engine down
+                self.disabled = f"{type(exc).__name__}: {exc}"
+                self._graphs.clear()
+                logger.warning("CUDA graph capture failed, decode runs eagerly: %s", self.disabled)
+                return None
         b = self.refresh(input_ids, positions, layout, lora_slots)
         return self._graphs[b]()[: len(layout.query_lens)]
 

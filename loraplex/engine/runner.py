@@ -201,7 +201,7 @@ class ModelRunner:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         layout: BatchLayout,
-    ) -> torch.Tensor:  # [B, hidden]
+    ) -> torch.Tensor | None:  # [B, hidden]; None: run the step eagerly (capture failed)
         """A decode step through the captured graphs: adapters loaded first, LoRA metadata
         refreshed by the graph runner (engine/cuda_graphs.py)."""
         assert self.graphs is not None
@@ -225,9 +225,10 @@ class ModelRunner:
             # Rows grouped by adapter slot: the LoRA kernels then see contiguous segments.
             reqs = sorted(reqs, key=lambda r: r.lora_slot)
         input_ids, positions, layout = self._layout(reqs)
+        hidden = None
         if self.graphs is not None and self.graphs.can_run(layout):
             hidden = self._graph_step(out, reqs, input_ids, positions, layout)  # [B, hidden]
-        else:
+        if hidden is None:
             metadata = self.attn.build_metadata(layout)
             with self._lora_step(out, reqs, layout):
                 hidden = self.model(input_ids, positions, metadata)  # [T, hidden]

@@ -17,6 +17,7 @@ from loraplex.engine.attention.base import BatchLayout
 from loraplex.engine.cuda_graphs import (
     DecodeGraphRunner,
     DirectCalls,
+    Forward,
     ManagerLoRA,
     bucket_for,
     build_decode_graphs,
@@ -269,3 +270,26 @@ def test_graphs_wait_for_the_adapter_stacks(model_dir: str) -> None:
     advance(seqs, runner.execute(step_of(seqs)))
     advance(seqs, runner.execute(step_of(seqs)))  # decode, but no adapter was ever loaded
     assert calls.captures == 0  # a graph captured now would hold no LoRA kernels
+
+
+class FailingCapture(DirectCalls):
+    def capture(self, fn: Forward) -> Forward:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_capture_falls_back_to_eager(
+    model_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    eager, graphed = make_runner(model_dir), make_runner(model_dir)
+    with_graphs(graphed)
+    assert graphed.graphs is not None
+    graphed.graphs._capture = FailingCapture()
+    seqs_e, seqs_g = make_seqs(2), make_seqs(2)
+    for _ in range(3):  # a prefill, then decodes: the first decode tries to capture and fails
+        res_e, res_g = eager.execute(step_of(seqs_e)), graphed.execute(step_of(seqs_g))
+        assert_same(res_g, res_e)
+        advance(seqs_e, res_e)
+        advance(seqs_g, res_g)
+    assert graphed.graphs.disabled is not None and "stream is capturing" in graphed.graphs.disabled
+    assert graphed.graphs.captured == ()
+    assert "CUDA graph capture failed" in caplog.text
