@@ -84,7 +84,9 @@ def measure(
     kv_bytes = batch * context * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2
     result = {
         "backend": backend,
-        "graphs": list(runner.graphs.captured) if runner.graphs is not None else [],
+        "graphs": []
+        if runner.graphs is None
+        else runner.graphs.disabled or list(runner.graphs.captured),
         "forward_ms": round(forward_ms, 4),
         "step_ms": round(step_ms, 4),
         "weight_bytes": weight_bytes,
