@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from loraplex.engine.cuda_graphs import (
 from loraplex.engine.records import RunnerOutput, ScheduledRequest, SchedulerOutput
 from loraplex.engine.runner import ModelRunner
 from loraplex.kernels.kv_write import PAD_SLOT
+from loraplex.kernels.meta import LoRAKernelMeta
 from loraplex.sampling_params import SamplingParams
 from tests.utils.models import make_adapter, make_tiny_model
 
@@ -264,12 +266,27 @@ def test_a_replay_after_the_adapters_changed_uses_the_new_ones(
 
 
 def test_graphs_wait_for_the_adapter_stacks(model_dir: str) -> None:
-    runner = make_runner(model_dir, lora=LoRAConfig(max_loras=2, max_cpu_loras=2, max_lora_rank=8))
-    calls = with_graphs(runner)
-    seqs = make_seqs(2)
-    advance(seqs, runner.execute(step_of(seqs)))
-    advance(seqs, runner.execute(step_of(seqs)))  # decode, but no adapter was ever loaded
-    assert calls.captures == 0  # a graph captured now would hold no LoRA kernels
+    # a graph captured before the LoRA layers have their weights would hold no LoRA kernels
+    unbound = SimpleNamespace(
+        meta=LoRAKernelMeta(8, 2), step=None, layers=[(0, SimpleNamespace(weights=None))]
+    )
+    bound = SimpleNamespace(
+        meta=unbound.meta, step=None, layers=[(0, SimpleNamespace(weights=object()))]
+    )
+    assert not ManagerLoRA(unbound).ready()  # type: ignore[arg-type]
+    assert ManagerLoRA(bound).ready()  # type: ignore[arg-type]
+    runner = make_runner(model_dir)
+    calls = DirectCalls()
+    graphs = DecodeGraphRunner(
+        runner.model, runner.attn, 8, runner.max_model_len, BLOCK, runner.device, calls,  # type: ignore[arg-type]
+        ManagerLoRA(unbound),  # type: ignore[arg-type]
+    )  # fmt: skip
+    decode = BatchLayout(np.array([1]), np.array([4]), np.ones((1, 2), np.int64),
+                         torch.tensor([5]), BLOCK)  # fmt: skip
+    assert not graphs.can_run(decode)
+    graphs.lora = ManagerLoRA(bound)  # type: ignore[arg-type]
+    assert graphs.can_run(decode)
+    assert calls.captures == 0
 
 
 class FailingCapture(DirectCalls):
