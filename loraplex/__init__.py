@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from loraplex.lora.request import LoRARequest
-from loraplex.outputs import CompletionOutput, RequestOutput
-from loraplex.sampling_params import SamplingParams, StructuredOutputsParams
+from loraplex.cpu_threads import configure_openmp
+
+configure_openmp()  # before anything imports torch: OpenMP reads its wait policy once, at load
+
+from loraplex.lora.request import LoRARequest  # noqa: E402
+from loraplex.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from loraplex.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -14,8 +14,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from loraplex import __version__
-from loraplex.argtypes import non_negative_float, non_negative_int, positive_int
-from loraplex.config import LoRAConfig
+from loraplex.argtypes import positive_int
 
 PROG = "loraplex"
 
@@ -168,41 +167,15 @@ def _add_throughput(p: argparse.ArgumentParser) -> None:
     w.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--repeats", type=positive_int, default=3, help="alternating runs per system")
-    a = p.add_argument_group(
-        "multi-adapter mode",
-        "--num-adapters N > 0 spreads the workload over N random LoRA adapters and compares "
-        "loraplex with adapters, loraplex without, and two PEFT baselines",
-    )
-    a.add_argument(
-        "--num-adapters",
-        type=non_negative_int,
-        default=0,
-        help="LoRA adapters in the workload (0: base model, loraplex vs HF generate())",
-    )
-    a.add_argument(
-        "--adapter-dist",
-        choices=("uniform", "powerlaw"),
-        default="uniform",
-        help="how requests pick adapters: uniform, or P(k) ~ (k+1)^-alpha",
-    )
-    a.add_argument("--powerlaw-alpha", type=non_negative_float, default=1.0)
-    a.add_argument(
-        "--adapter-rank", type=positive_int, default=8, help="rank of the random adapters"
-    )
-    a.add_argument(
-        "--max-loras", type=positive_int, default=8, help="engine device slots: min(N, this)"
-    )
-    a.add_argument(
-        "--max-lora-rank",
-        type=positive_int,
-        default=LoRAConfig.max_lora_rank,
-        help="engine slot rank",
-    )
-    a.add_argument(
-        "--peft-mixed-batch-size",
-        type=positive_int,
-        default=32,
-        help="batch size of the PEFT mixed-adapter baseline",
+    from loraplex.bench.adapter_options import add_adapter_arguments
+
+    add_adapter_arguments(
+        p.add_argument_group(
+            "multi-adapter mode",
+            "--num-adapters N > 0 spreads the workload over N random LoRA adapters and compares "
+            "loraplex with adapters, loraplex without, and two PEFT baselines; a list of N (or "
+            "--systems without PEFT) sweeps N with loraplex only and reports the adapter pool",
+        )
     )
     h = p.add_argument_group("Hugging Face / PEFT baselines")
     h.add_argument(
@@ -215,7 +188,9 @@ def _add_throughput(p: argparse.ArgumentParser) -> None:
         help="run the baselines on about N requests only (with adapters: whole batches) "
         "and take their rate",
     )
-    h.add_argument("--skip-hf", action="store_true", help="run loraplex only")
+    h.add_argument(
+        "--skip-hf", action="store_true", help="run loraplex only (with adapters: the sweep)"
+    )
     from loraplex.bench.systems import BENCH_KNOBS
     from loraplex.engine_args import add_engine_arguments
 
@@ -239,6 +214,7 @@ def _add_throughput(p: argparse.ArgumentParser) -> None:
 
 def _throughput(args: argparse.Namespace) -> int:
     from loraplex.bench import EngineArgs, ThroughputOptions, run_throughput
+    from loraplex.bench.adapter_options import adapter_options_from
     from loraplex.bench.systems import BENCH_KNOBS
 
     opts = ThroughputOptions(
@@ -260,14 +236,8 @@ def _throughput(args: argparse.Namespace) -> int:
         prefix_cache_test=args.prefix_cache_test,
         prefix_len=args.prefix_len,
         prefix_repeats=args.prefix_repeats,
-        num_adapters=args.num_adapters,
-        adapter_dist=args.adapter_dist,
-        powerlaw_alpha=args.powerlaw_alpha,
-        adapter_rank=args.adapter_rank,
-        max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
-        peft_mixed_batch_size=args.peft_mixed_batch_size,
         output_dir=args.output_dir,
+        **adapter_options_from(args),
     )
     run_throughput(opts)
     return 0

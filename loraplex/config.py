@@ -20,6 +20,10 @@ AttentionBackendName = Literal["auto", "torch", "native", "triton"]  # engine/at
 PRIORITY_RANGE = (-1000, 1000)
 
 
+MAX_LORAS = 256  # adapters one step may use: the page index is [modules, MAX_LORAS, rank]
+MAX_LORA_RANK = 1024  # the native kernel's per-token buffer bound
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which base model to serve and how to run it."""
@@ -116,21 +120,38 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    """Multi-LoRA limits: device slots, host cache entries and the largest rank accepted."""
+    """Multi-LoRA limits: adapters per step, the device pool's size, host cache entries and the
+    largest rank accepted.
+
+    ``lora_memory`` sizes the device page pool: bytes (an int), or a fraction of the KV cache's
+    bytes (a float in (0, 1]); None: room for ``max_loras`` adapters at ``max_lora_rank``. Every
+    adapter takes exactly its rank's pages, so a pool that holds 4 rank-64 adapters holds 32 of
+    rank 8.
+    """
 
     max_loras: int = 4
     max_cpu_loras: int = 16
     max_lora_rank: int = 64
+    lora_memory: int | float | None = None
 
     def __post_init__(self) -> None:
-        if self.max_loras < 1:
-            raise ValueError(f"max_loras must be at least 1; got {self.max_loras}")
-        if self.max_cpu_loras < self.max_loras:
+        if not 1 <= self.max_loras <= MAX_LORAS:
+            raise ValueError(f"max_loras must be in [1, {MAX_LORAS}]; got {self.max_loras}")
+        if self.max_cpu_loras < 1:
+            raise ValueError(f"max_cpu_loras must be at least 1; got {self.max_cpu_loras}")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
             raise ValueError(
-                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})"
+                f"max_lora_rank must be in [1, {MAX_LORA_RANK}]; got {self.max_lora_rank}"
             )
-        if self.max_lora_rank < 1:
-            raise ValueError(f"max_lora_rank must be at least 1; got {self.max_lora_rank}")
+        mem = self.lora_memory
+        if isinstance(mem, bool) or not (mem is None or isinstance(mem, (int, float))):
+            raise ValueError(f"lora_memory must be bytes, a fraction or None; got {mem!r}")
+        if isinstance(mem, float) and not 0.0 < mem <= 1.0:
+            raise ValueError(
+                f"lora_memory as a fraction of the KV cache must be in (0, 1]; got {mem}"
+            )
+        if isinstance(mem, int) and mem < 1:
+            raise ValueError(f"lora_memory must be a positive number of bytes; got {mem}")
 
 
 @dataclass(frozen=True)

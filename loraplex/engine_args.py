@@ -19,7 +19,13 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypedDict, get_args
 
-from loraplex.argtypes import env_bool, non_negative_float, positive_float, positive_int
+from loraplex.argtypes import (
+    env_bool,
+    memory_size,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
 from loraplex.config import (
     AttentionBackendName,
     CacheConfig,
@@ -91,7 +97,11 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "fair policy: service charged per prompt token computed", non_negative_float),
     EngineArg("fair_output_weight", "scheduler",
               "fair policy: service charged per token generated", non_negative_float),
-    EngineArg("max_loras", "lora", "adapters one step may use (device slots)", positive_int),
+    EngineArg("max_loras", "lora", "distinct adapters one step may use (at most 256)",
+              positive_int),
+    EngineArg("lora_memory", "lora",
+              "device memory for adapter pages: bytes (625MB, 2GiB) or a fraction of the KV "
+              "cache (0.25); default: max_loras adapters at max_lora_rank", memory_size),
     EngineArg("max_cpu_loras", "lora", "adapters kept in host memory", positive_int),
     EngineArg("max_lora_rank", "lora", "the largest adapter rank accepted", positive_int),
 )  # fmt: skip
@@ -120,6 +130,7 @@ class EngineKwargs(TypedDict, total=False):
     max_loras: int
     max_cpu_loras: int
     max_lora_rank: int
+    lora_memory: int | float | None
 
 
 def engine_config(model: str | None = None, **knobs: Any) -> EngineConfig:
@@ -132,7 +143,13 @@ def engine_config(model: str | None = None, **knobs: Any) -> EngineConfig:
     sections: dict[Section, dict[str, Any]] = {s: {} for s in _RECORDS}
     sections["model"]["model"] = model
     for name, value in knobs.items():
-        sections[_BY_NAME[name].section][name] = value
+        arg = _BY_NAME[name]
+        if isinstance(value, str) and arg.type is memory_size:  # LLM(lora_memory="625MB")
+            try:
+                value = memory_size(value)
+            except argparse.ArgumentTypeError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        sections[arg.section][name] = value
     return EngineConfig(**{s: _RECORDS[s](**kw) for s, kw in sections.items()})
 
 

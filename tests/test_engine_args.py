@@ -10,6 +10,7 @@ import inspect
 
 import pytest
 
+from loraplex.argtypes import memory_size
 from loraplex.config import EngineConfig
 from loraplex.engine_args import (
     ENGINE_ARGS,
@@ -82,3 +83,30 @@ def test_serve_flags_and_environment() -> None:
         add_engine_arguments(
             argparse.ArgumentParser(), env=True, environ={"LORAPLEX_DTYPE": "float8"}
         )
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("1500000", 1_500_000), ("625MB", 625_000_000), ("2GiB", 2 * 2**30), ("0.25", 0.25),
+     ("1.0", 1.0), ("4k", 4000), ("1.5GB", 1_500_000_000)],
+)  # fmt: skip
+def test_lora_memory_takes_bytes_or_a_fraction(text: str, value: int | float) -> None:
+    assert memory_size(text) == value
+    assert engine_config(None, lora_memory=text).lora.lora_memory == value
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("7XB", "unknown unit 'xb'"), ("-5MB", "more than 0"), ("abc", "expected bytes"),
+     (1.5, r"fraction of the KV cache must be in \(0, 1\]"), (0, "positive number of bytes"),
+     (True, "bytes, a fraction or None")],
+)  # fmt: skip
+def test_bad_lora_memory_says_what_it_takes(value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        engine_config(None, lora_memory=value)
+
+
+def test_max_loras_is_bounded() -> None:
+    assert engine_config(None, max_loras=256).lora.max_loras == 256
+    with pytest.raises(ValueError, match=r"max_loras must be in \[1, 256\]"):
+        engine_config(None, max_loras=257)

@@ -10,10 +10,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loraplex.bench.adapters import AdapterDist
-from loraplex.bench.systems import EngineArgs
+from loraplex.bench.adapters import ADAPTER_DISTS, AdapterDist
+from loraplex.bench.systems import ADAPTER_SYSTEMS, PEFT_SYSTEMS, EngineArgs, System
 from loraplex.bench.workload import Workload
-from loraplex.config import LoRAConfig
+from loraplex.config import MAX_LORAS, LoRAConfig
 
 Log = Callable[[str], None]
 
@@ -39,29 +39,25 @@ class ThroughputOptions:
     prefix_len: int = 512
     prefix_repeats: int = 5
     num_adapters: int = 0  # 0: base model only, loraplex vs HF; N: N adapters, vs PEFT
-    adapter_dist: AdapterDist = "uniform"
+    # Several N: a sweep (``lora_scale``), one engine per N, loraplex with and without adapters.
+    adapter_counts: tuple[int, ...] = ()
+    adapter_dist: AdapterDist | None = None  # None: roundrobin (i % N), uniform with PEFT
     powerlaw_alpha: float = 1.0
     adapter_rank: int = 8
-    max_loras: int = 8  # the engine gets min(num_adapters, max_loras) device slots
+    adapter_ranks: tuple[int, ...] = ()  # cycled over the adapters; empty: adapter_rank
+    max_loras: int | None = None  # None: N (at most MAX_LORAS and what the pool holds)
     max_lora_rank: int = LoRAConfig.max_lora_rank
+    max_cpu_loras: int | None = None  # None: every registered adapter fits the host cache
+    num_registered: int | None = None  # adapters added to each engine; None: that N
+    lora_memory: int | float | None = None  # the pool: bytes or a fraction of the KV cache
+    pool_adapters: int | None = None  # or: the real size of adapters 0 .. K-1; None: all N
+    systems: tuple[System, ...] = ()  # empty: all four for one N (loraplex only with skip_hf)
     peft_mixed_batch_size: int = 32
     output_dir: str = "bench-results"
 
     def __post_init__(self) -> None:
+        self._check_adapter_options()
         checks = [
-            (self.num_adapters >= 0, "--num-adapters must be 0 or more"),
-            (
-                self.adapter_dist in ("uniform", "powerlaw"),
-                "--adapter-dist must be uniform or powerlaw",
-            ),
-            (self.powerlaw_alpha >= 0, "--powerlaw-alpha must be 0 or more"),
-            (self.adapter_rank >= 1, "--adapter-rank must be at least 1"),
-            (self.max_loras >= 1, "--max-loras must be at least 1"),
-            (
-                self.max_lora_rank >= self.adapter_rank,
-                f"--max-lora-rank ({self.max_lora_rank}) must be at least --adapter-rank "
-                f"({self.adapter_rank}): the engine rejects adapters above its maximum rank",
-            ),
             (self.peft_mixed_batch_size >= 1, "--peft-mixed-batch-size must be at least 1"),
             (self.num_requests >= 1, "--num-requests must be at least 1"),
             (1 <= self.min_output <= self.max_output, "need 1 <= --min-output <= --max-output"),
@@ -83,6 +79,106 @@ class ThroughputOptions:
             if not ok:
                 raise ValueError(message)
 
+    def _check_adapter_options(self) -> None:
+        counts = self.adapter_counts
+        if self.num_adapters < 0:
+            raise ValueError("--num-adapters must be 0 or more")
+        if counts and self.num_adapters:
+            raise ValueError("give num_adapters (one N) or adapter_counts (a sweep), not both")
+        if any(n < 1 for n in counts) or len(set(counts)) != len(counts):
+            raise ValueError(
+                f"--num-adapters: a sweep needs distinct counts of 1 or more: {counts}"
+            )
+        scale = {
+            "--adapter-ranks": bool(self.adapter_ranks),
+            "--max-cpu-loras": self.max_cpu_loras is not None,
+            "--num-registered": self.num_registered is not None,
+            "--lora-memory": self.lora_memory is not None,
+            "--pool-adapters": self.pool_adapters is not None,
+            "--systems": bool(self.systems),
+        }
+        if not self.adapter_mode:
+            given = [flag for flag, on in scale.items() if on]
+            if given:
+                raise ValueError(f"{', '.join(given)} need --num-adapters N (1 or more)")
+            return
+        ranks = self.ranks
+        n_max = max(self.counts)
+        unknown = [s for s in self.systems if s not in ADAPTER_SYSTEMS]
+        peft = [s for s in self.run_systems if s in PEFT_SYSTEMS]
+        checks = [
+            (self.adapter_dist is None or self.adapter_dist in ADAPTER_DISTS,
+             f"--adapter-dist must be one of {', '.join(ADAPTER_DISTS)}"),
+            (self.powerlaw_alpha >= 0, "--powerlaw-alpha must be 0 or more"),
+            (all(r >= 1 for r in ranks), "--adapter-rank and --adapter-ranks must be at least 1"),
+            (self.max_lora_rank >= max(ranks),
+             f"--max-lora-rank ({self.max_lora_rank}) must be at least "
+             f"{'the largest of --adapter-ranks' if self.adapter_ranks else '--adapter-rank'} "
+             f"({max(ranks)}): the engine rejects adapters above its maximum rank"),
+            (self.max_loras is None or 1 <= self.max_loras <= MAX_LORAS,
+             f"--max-loras must be in [1, {MAX_LORAS}]"),
+            (self.max_cpu_loras is None or self.max_cpu_loras >= 1,
+             "--max-cpu-loras must be at least 1"),
+            (self.num_registered is None or self.num_registered >= n_max,
+             f"--num-registered ({self.num_registered}) must be at least the largest "
+             f"--num-adapters ({n_max}): requests only use registered adapters"),
+            (self.lora_memory is None or self.pool_adapters is None,
+             "give --lora-memory or --pool-adapters, not both"),
+            (self.pool_adapters is None or 1 <= self.pool_adapters <= self.registered,
+             f"--pool-adapters must be in [1, {self.registered}] (the registered adapters)"),
+            (not unknown, f"--systems: unknown {', '.join(unknown)}; choose from "
+             f"{', '.join(ADAPTER_SYSTEMS)}"),
+            (not self.systems or "loraplex" in self.systems,
+             "--systems must include loraplex (the system under test)"),
+            (not (peft and len(self.counts) > 1),
+             f"PEFT baselines ({', '.join(peft)}) run with one --num-adapters value; for a "
+             "sweep use --systems loraplex,loraplex_base"),
+            (not (peft and self.skip_hf), "--skip-hf drops the PEFT baselines named in --systems"),
+            (not (peft and self.registered > n_max),
+             "--num-registered above --num-adapters is for loraplex-only runs (no PEFT)"),
+        ]  # fmt: skip
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    # ---- the adapter mode, resolved ----------------------------------------------------------
+
+    @property
+    def adapter_mode(self) -> bool:
+        return self.num_adapters > 0 or bool(self.adapter_counts)
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """The adapter counts to run: the sweep, or the one N."""
+        return self.adapter_counts or ((self.num_adapters,) if self.num_adapters else ())
+
+    @property
+    def run_systems(self) -> tuple[System, ...]:
+        if self.systems:
+            return tuple(s for s in ADAPTER_SYSTEMS if s in self.systems)
+        if len(self.counts) > 1 or self.skip_hf:
+            return ("loraplex", "loraplex_base")
+        return ADAPTER_SYSTEMS
+
+    @property
+    def with_peft(self) -> bool:
+        return any(s in PEFT_SYSTEMS for s in self.run_systems)
+
+    @property
+    def dist(self) -> AdapterDist:
+        if self.adapter_dist is not None:
+            return self.adapter_dist
+        return "uniform" if self.with_peft else "roundrobin"
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self.adapter_ranks or (self.adapter_rank,)
+
+    @property
+    def registered(self) -> int:
+        """Adapters written for the whole run (each engine adds ``num_registered`` or its N)."""
+        return self.num_registered or max(self.counts, default=0)
+
     def command_line(self) -> str:
         """The command that reproduces this run, every knob explicit."""
         knobs = self.engine.kwargs()
@@ -102,20 +198,27 @@ class ThroughputOptions:
             f"--dtype={knobs['dtype']}",
         ]
         argv += [f"--hf-max-requests={self.hf_max_requests}"] if self.hf_max_requests else []
-        if self.num_adapters:
+        if self.adapter_mode:
             argv += [
-                f"--num-adapters={self.num_adapters}",
-                f"--adapter-dist={self.adapter_dist}",
+                f"--num-adapters={','.join(map(str, self.counts))}",
+                f"--systems={','.join(self.run_systems)}",
+                f"--adapter-dist={self.dist}",
                 f"--adapter-rank={self.adapter_rank}",
-                f"--max-loras={self.max_loras}",
                 f"--max-lora-rank={self.max_lora_rank}",
-                f"--peft-mixed-batch-size={self.peft_mixed_batch_size}",
             ]
-            argv += (
-                [f"--powerlaw-alpha={self.powerlaw_alpha}"]
-                if self.adapter_dist == "powerlaw"
-                else []
+            argv += [f"--powerlaw-alpha={self.powerlaw_alpha}"] if self.dist == "powerlaw" else []
+            argv += [f"--adapter-ranks={','.join(map(str, self.adapter_ranks))}"] * bool(
+                self.adapter_ranks
             )
+            optional = {
+                "--max-loras": self.max_loras,
+                "--max-cpu-loras": self.max_cpu_loras,
+                "--num-registered": self.num_registered,
+                "--lora-memory": self.lora_memory,
+                "--pool-adapters": self.pool_adapters,
+            }
+            argv += [f"{flag}={v}" for flag, v in optional.items() if v is not None]
+            argv += [f"--peft-mixed-batch-size={self.peft_mixed_batch_size}"] * self.with_peft
         argv += [f"--num-blocks={knobs['num_blocks']}"] if knobs["num_blocks"] else []
         argv += [] if knobs["enable_prefix_caching"] else ["--no-enable-prefix-caching"]
         argv += [f"--attention-backend={knobs['attention_backend']}"]

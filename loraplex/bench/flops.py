@@ -72,6 +72,15 @@ class ModelShape:
     def lm_head_params(self) -> int:
         return self.hidden * self.vocab
 
+    def lora_bytes(self, rank: int, value_bytes: int) -> int:
+        """One rank-``rank`` adapter on all seven projections of every layer: A and B."""
+        return rank * self.num_layers * self.layer_lora_params_per_rank * value_bytes
+
+    def decode_weight_bytes(self, value_bytes: int) -> int:
+        """Base weights one decode step reads: every decoder matmul and lm_head (the embedding
+        rows gathered and the norms are negligible)."""
+        return (self.linear_params + self.lm_head_params) * value_bytes
+
 
 def workload_flops(
     shape: ModelShape,

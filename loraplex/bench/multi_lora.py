@@ -4,7 +4,7 @@ Four systems, one process, one run, alternating repeats (forward order on even r
 on odd ones, so drift of a shared machine hits all alike and each pair of neighbours runs back to
 back):
 
-1. ``loraplex``: every request with its adapter (``max_loras`` = min(N, ``--max-loras``));
+1. ``loraplex``: every request with its adapter (``max_loras`` = N, or ``--max-loras``);
 2. ``loraplex_base``: the same engine, prompts and output lengths, no adapter (LoRA's cost);
 3. ``peft_static``: PEFT, per-adapter static batches; 4. ``peft_mixed``: PEFT mixed-adapter batches.
 
@@ -28,6 +28,7 @@ from loraplex.bench.adapters import (
     DELTA_RELATIVE_NORM,
     TARGET_MODULES,
     adapter_name,
+    adapter_ranks,
     adapter_weights,
     assign_adapters,
     make_random_adapters,
@@ -51,11 +52,12 @@ from loraplex.bench.peft_baselines import (
     select_batches,
     static_plan,
 )
-from loraplex.bench.systems import RunResult, System, flat_stats, greedy_agreement
+from loraplex.bench.systems import ADAPTER_SYSTEMS, RunResult, System, flat_stats, greedy_agreement
 from loraplex.bench.workload import encode, make_workload
+from loraplex.config import MAX_LORAS
 
 Log = Callable[[str], None]
-SYSTEMS: tuple[System, ...] = ("loraplex", "loraplex_base", "peft_static", "peft_mixed")
+SYSTEMS: tuple[System, ...] = ADAPTER_SYSTEMS
 TARGETS = {"speedup_vs_best_peft": 4.0, "lora_with_over_without": 0.85}
 LORA_GAUGES = ("lora_resident_device", "lora_resident_host", "lora_registered")
 
@@ -90,22 +92,22 @@ def _run(opts: ThroughputOptions, say: Log, adapter_root: Path) -> dict[str, Any
     lens = workload.output_lens
     n_adapters = opts.num_adapters
     assignment = assign_adapters(
-        opts.num_requests, n_adapters, opts.adapter_dist, alpha=opts.powerlaw_alpha, seed=opts.seed
+        opts.num_requests, n_adapters, opts.dist, alpha=opts.powerlaw_alpha, seed=opts.seed
     )
     names = [adapter_name(k) for k in assignment]  # per request
 
     say(f"model: {model_dir}")
     say(
         f"workload: {opts.num_requests} requests over {n_adapters} adapters "
-        f"({opts.adapter_dist}), per adapter {requests_per_adapter(assignment, n_adapters)}; "
+        f"({opts.dist}), per adapter {requests_per_adapter(assignment, n_adapters)}; "
         f"outputs {min(lens)}-{max(lens)} tokens ({sum(lens)} in all), greedy, EOS ignored"
     )
     started = time.perf_counter()
     dirs = make_random_adapters(
-        model_dir, adapter_root, n_adapters, rank=opts.adapter_rank, seed=opts.seed
+        model_dir, adapter_root, n_adapters, rank=opts.ranks, seed=opts.seed
     )
     say(
-        f"{n_adapters} random rank-{opts.adapter_rank} adapters written in "
+        f"{n_adapters} random rank-{'/'.join(map(str, opts.ranks))} adapters written in "
         f"{time.perf_counter() - started:.1f} s (temporary, not timed)"
     )
     requests = {name: LoRARequest(name, path) for name, path in dirs.items()}
@@ -117,12 +119,17 @@ def _run(opts: ThroughputOptions, say: Log, adapter_root: Path) -> dict[str, Any
         encode(tokenizer, p, chat=opts.chat)
         for p in make_workload(4, 4, 4, seed=opts.seed + 1_000_003).prompts
     ]
-    max_loras = min(n_adapters, opts.max_loras)
-    engine_overrides = {
-        "max_loras": max_loras,
-        "max_cpu_loras": max(n_adapters, max_loras),  # every adapter fits the host cache
+    engine_overrides: dict[str, Any] = {
+        "max_loras": min(n_adapters, opts.max_loras or n_adapters, MAX_LORAS),
+        "max_cpu_loras": opts.max_cpu_loras or n_adapters,  # default: every adapter fits
         "max_lora_rank": opts.max_lora_rank,
     }
+    if opts.lora_memory is not None or opts.pool_adapters is not None:
+        from loraplex.bench.lora_scale import pool_plan, value_bytes
+
+        vbytes = value_bytes(opts.engine.dtype)
+        sizes = [shape.lora_bytes(r, vbytes) for r in adapter_ranks(n_adapters, opts.ranks)]
+        engine_overrides["lora_memory"] = pool_plan(opts, n_adapters, sizes)[0]
 
     content_hashes: dict[str, str] = {}
 
@@ -147,15 +154,16 @@ def _run(opts: ThroughputOptions, say: Log, adapter_root: Path) -> dict[str, Any
     peft: PeftBaselines | None = None
     subsets: dict[PeftMode, list[Batch]] = {}
     plans: dict[PeftMode, list[Batch]] = {}
-    if not opts.skip_hf:
+    if opts.with_peft:
         t0 = time.perf_counter()
         peft = PeftBaselines(model_dir, opts.engine.dtype, dirs)
         peft.warm_up(warm)
         say(f"PEFT baselines loaded and warmed up in {time.perf_counter() - t0:.1f} s (not timed)")
-        plans = {
+        every: dict[PeftMode, list[Batch]] = {
             "peft_static": static_plan(names, opts.hf_batch_size),
             "peft_mixed": mixed_plan(names, opts.peft_mixed_batch_size),
         }
+        plans = {mode: plan for mode, plan in every.items() if mode in opts.run_systems}
         for mode, plan in plans.items():
             subsets[mode] = select_batches(
                 plan, opts.hf_max_requests, by_adapter=mode == "peft_static"
@@ -166,7 +174,7 @@ def _run(opts: ThroughputOptions, say: Log, adapter_root: Path) -> dict[str, Any
                 f"{d['batch_sizes']}, {d['adapters_covered']} adapters"
             )
 
-    systems = [s for s in SYSTEMS if peft is not None or not s.startswith("peft")]
+    systems = list(opts.run_systems)
     runs: list[RunResult] = []
     warnings: list[str] = []
     for r in range(opts.repeats):
@@ -200,17 +208,26 @@ def _run(opts: ThroughputOptions, say: Log, adapter_root: Path) -> dict[str, Any
     say(f"fp32 matmul peak again: {peaks[1]:.1f} GFLOP/s (the higher one is used)")
     plens = [len(p) for p in prompts]
 
-    def flops_of(idx: Sequence[int], rank: int) -> dict[str, int]:
-        return workload_flops(
-            shape, [plens[i] for i in idx], [lens[i] for i in idx], lora_rank=rank
-        )
+    rank_of = adapter_ranks(n_adapters, opts.ranks)  # per adapter
+
+    def flops_of(idx: Sequence[int], lora: bool) -> dict[str, int]:
+        """Each request at its adapter's rank (0: no adapter)."""
+        rank_for = {i: rank_of[assignment[i]] if lora else 0 for i in idx}
+        total: dict[str, int] = {}
+        for rank in set(rank_for.values()):
+            mine = [i for i in idx if rank_for[i] == rank]
+            part = workload_flops(
+                shape, [plens[i] for i in mine], [lens[i] for i in mine], lora_rank=rank
+            )
+            total = {k: total.get(k, 0) + v for k, v in part.items()}
+        return total
 
     everyone = range(opts.num_requests)
     flops: dict[str, dict[str, int]] = {
-        "loraplex": flops_of(everyone, opts.adapter_rank),
-        "loraplex_base": flops_of(everyone, 0),
+        "loraplex": flops_of(everyone, True),
+        "loraplex_base": flops_of(everyone, False),
         **{
-            mode: flops_of([i for b in batches for i in b.requests], opts.adapter_rank)
+            mode: flops_of([i for b in batches for i in b.requests], True)
             for mode, batches in subsets.items()
         },
     }
@@ -224,15 +241,14 @@ def _run(opts: ThroughputOptions, say: Log, adapter_root: Path) -> dict[str, Any
         "workload": workload_json(workload, prompts),
         "adapters": {
             "num_adapters": n_adapters,
-            "distribution": opts.adapter_dist,
-            "powerlaw_alpha": opts.powerlaw_alpha if opts.adapter_dist == "powerlaw" else None,
+            "distribution": opts.dist,
+            "powerlaw_alpha": opts.powerlaw_alpha if opts.dist == "powerlaw" else None,
             "popularity": [
-                round(w, 4)
-                for w in adapter_weights(n_adapters, opts.adapter_dist, opts.powerlaw_alpha)
+                round(w, 4) for w in adapter_weights(n_adapters, opts.dist, opts.powerlaw_alpha)
             ],
             "requests_per_adapter": requests_per_adapter(assignment, n_adapters),
             "assignment": assignment,
-            "rank": opts.adapter_rank,
+            "rank": opts.ranks[0] if len(opts.ranks) == 1 else list(opts.ranks),
             "target_modules": list(TARGET_MODULES),
             "delta_relative_norm": DELTA_RELATIVE_NORM,
             "content_hashes": content_hashes,
@@ -270,7 +286,7 @@ def _run(opts: ThroughputOptions, say: Log, adapter_root: Path) -> dict[str, Any
 
     out_dir = Path(opts.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"throughput-lora{n_adapters}-{opts.adapter_dist}-{time.strftime('%Y%m%d-%H%M%S')}"
+    stem = f"throughput-lora{n_adapters}-{opts.dist}-{time.strftime('%Y%m%d-%H%M%S')}"
     if peft is not None:
         del peft
         gc.collect()

@@ -187,7 +187,7 @@ def multi_lora_table(result: dict[str, Any]) -> str:
         text += "\n* a subset of whole batches; tokens/s taken as the full workload's rate"
     a = result["adapters"]
     text += (
-        f"\n\n{a['num_adapters']} rank-{a['rank']} adapters ({a['distribution']}), "
+        f"\n\n{a['num_adapters']} rank-{_ranks(a['rank'])} adapters ({a['distribution']}), "
         f"requests per adapter {a['requests_per_adapter']}"
     )
     if s.get("speedup_vs_best_peft") is not None:
@@ -208,6 +208,10 @@ def multi_lora_table(result: dict[str, Any]) -> str:
     if stats:
         text += "\nengine LoRA stats: " + ", ".join(f"{k}={v}" for k, v in stats.items())
     return text
+
+
+def _ranks(rank: int | list[int]) -> str:
+    return "/".join(map(str, rank)) if isinstance(rank, list) else str(rank)
 
 
 def write_multi_lora_plot(result: dict[str, Any], path: Path) -> str | None:

@@ -21,6 +21,9 @@ from loraplex.config import DType, EngineConfig
 from loraplex.engine_args import engine_config, knobs_of
 
 System = Literal["loraplex", "loraplex_base", "hf", "peft_static", "peft_mixed"]
+# The multi-adapter mode's systems, in run order.
+ADAPTER_SYSTEMS: tuple[System, ...] = ("loraplex", "loraplex_base", "peft_static", "peft_mixed")
+PEFT_SYSTEMS: tuple[System, ...] = ("peft_static", "peft_mixed")
 # Engine counters that only grow; a run reports how much each grew during it.
 ENGINE_COUNTERS = (
     "prefix_cache_queries",
@@ -34,6 +37,10 @@ ENGINE_COUNTERS = (
     "lora_host_evictions",
     "lora_slot_loads",
     "lora_slot_hits",
+    "lora_slot_evictions",
+    "lora_load_waits",
+    "lora_loads_deferred",
+    "lora_load_bytes",
 )
 
 
@@ -49,6 +56,7 @@ class RunResult:
     # Workload index of each output (a baseline may run a subset that is not a prefix); empty:
     # outputs[i] is request i.
     indices: list[int] = field(default_factory=list, repr=False)
+    failures: int = 0  # requests that ended in "abort" or "error" (loraplex only)
 
     @property
     def tokens_per_s(self) -> float:
@@ -62,6 +70,7 @@ class RunResult:
             "num_requests": self.num_requests,
             "output_tokens": self.output_tokens,
             "output_tokens_per_s": round(self.tokens_per_s, 3),
+            "failures": self.failures,
             "engine": self.engine,
         }
 
@@ -180,6 +189,8 @@ def run_loraplex(
     seconds = time.perf_counter() - start
     after = counters(llm)
     outputs = [list(o.outputs[0].token_ids) for o in outs]
+    ends = [getattr(o.outputs[0], "finish_reason", None) for o in outs]
+    failed = sum(1 for end in ends if end in ("abort", "error"))
     return RunResult(
         system=system,
         repeat=repeat,
@@ -188,6 +199,7 @@ def run_loraplex(
         num_requests=len(outputs),
         outputs=outputs,
         engine={k: after[k] - before.get(k, 0) for k in after},
+        failures=failed,
     )
 
 

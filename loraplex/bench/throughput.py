@@ -5,7 +5,8 @@ result is the ratio of the median output tokens/s (absolute numbers on a shared 
 The fp32 matmul peak is measured in the same run so that MFU is a ratio too.
 
 With ``--num-adapters N`` the workload is spread over N LoRA adapters and compared against PEFT
-instead (``multi_lora``).
+instead (``multi_lora``); with several N, or without the PEFT systems, N is swept with loraplex
+alone (``lora_scale``).
 """
 
 from __future__ import annotations
@@ -35,10 +36,14 @@ from loraplex.bench.workload import encode, make_workload
 def run_throughput(opts: ThroughputOptions, log: Log | None = None) -> dict[str, Any]:
     """Run the benchmark, print the tables, write the JSON (and plot); return the result."""
     say: Log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-    if opts.num_adapters > 0:
+    if opts.adapter_mode and opts.with_peft:
         from loraplex.bench.multi_lora import run_multi_lora
 
         return run_multi_lora(opts, say)
+    if opts.adapter_mode:
+        from loraplex.bench.lora_scale import run_lora_scale
+
+        return run_lora_scale(opts, say)
     from loraplex.bench import report
     from loraplex.bench.peak import measure_fp32_peak_gflops
     from loraplex.bench.systems import HFBaseline, build_llm, run_loraplex, warm_up_loraplex

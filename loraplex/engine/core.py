@@ -100,6 +100,7 @@ class EngineCore:
             max_model_len,
             max_loras=config.lora.max_loras,
             constraints=self.structured,
+            residency=self.runner.lora,
         )
 
     def _grammar_backend(self) -> GrammarBackend:
@@ -244,13 +245,24 @@ class EngineCore:
         if lora is None:
             return None
         residency = lora.residency()
+        usage = lora.pool_usage()
+        evictions = 0 if lora.pool is None else lora.pool.counters.evictions
         return LoRAStats(
             disk_loads=lora.stats.disk_loads,
             host_hits=lora.stats.host_hits,
             host_evictions=lora.stats.host_evictions,
             slot_loads=lora.stats.slot_loads,
             slot_hits=lora.stats.slot_hits,
-            slot_evictions=lora.stats.slot_evictions,
+            slot_evictions=evictions,
+            load_waits=lora.stats.load_waits,
+            loads_deferred=lora.stats.loads_deferred,
+            load_bytes=lora.stats.load_bytes,
+            loads_in_flight=usage["loading"],
+            pool_pages=usage["pages"],
+            pool_pages_used=usage["pages_used"],
+            pool_bytes=usage["bytes"],
+            pool_bytes_used=usage["bytes_used"],
+            adapter_bytes=usage["adapter_bytes"],
             resident_device=residency["device"],
             resident_host=residency["host"],
             registered=residency["disk"],

@@ -56,14 +56,24 @@ class AdapterInfo:
 @dataclass(frozen=True)
 class LoRAStats:
     """The adapter cache: loads and evictions per tier (totals since the engine started), how
-    many adapters each tier holds, and where each registered adapter is."""
+    many adapters each tier holds, where each registered adapter is, and the device page pool's
+    usage (``pool_bytes_used`` against ``adapter_bytes``, the real size of what it holds)."""
 
     disk_loads: int = 0  # parsed from disk (added, or reloaded after a host eviction)
-    host_hits: int = 0  # slot loads served from host memory
+    host_hits: int = 0  # device loads served from host memory
     host_evictions: int = 0
-    slot_loads: int = 0  # copied into a device slot
-    slot_hits: int = 0  # steps that found their adapter in its slot already
-    slot_evictions: int = 0  # slot loads that replaced another adapter
+    slot_loads: int = 0  # adapters copied into the device pool
+    slot_hits: int = 0  # steps that found their adapter resident and in its slot already
+    slot_evictions: int = 0  # adapters evicted from the device pool to make room
+    load_waits: int = 0  # steps that waited for an adapter copy (0 while the scheduler gates)
+    loads_deferred: int = 0  # loads put off: the pool was full of adapters in use or pinned
+    load_bytes: int = 0  # bytes copied into the device pool
+    loads_in_flight: int = 0  # background copies now
+    pool_pages: int = 0  # pages of every module's pool (one page: a rank-row in every layer)
+    pool_pages_used: int = 0
+    pool_bytes: int = 0  # the pool's device memory
+    pool_bytes_used: int = 0  # of it, held by resident adapters
+    adapter_bytes: int = 0  # the resident adapters' own weights (their ranks, no padding)
     resident_device: int = 0
     resident_host: int = 0
     registered: int = 0  # every adapter the engine knows (the disk tier)

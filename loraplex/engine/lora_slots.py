@@ -1,8 +1,9 @@
-"""Which adapters hold the ``max_loras`` device slots. Pure Python, owned by the scheduler.
+"""Which adapters hold the ``max_loras`` step slots. Pure Python, owned by the scheduler.
 
-A slot is held while at least one running request uses its adapter, so one step never needs
-more than ``max_loras`` adapters. A released slot remembers its last adapter: when that adapter
-comes back it gets the same slot and the runner does not copy its weights again. Free slots are
+A slot is a row of the adapter pool's page index (``kernels/lora_weights.py``), not memory: it
+names one adapter for the step's kernels. A slot is held while at least one running request uses
+its adapter, so one step never needs more than ``max_loras`` adapters. A released slot remembers its last adapter: when that adapter
+comes back it gets the same slot and the runner does not rewrite its page-index row. Free slots are
 reused least-recently-released first.
 """
 
@@ -24,6 +25,10 @@ class LoRASlots:
 
     def can_acquire(self, key: str | None) -> bool:
         return key is None or key in self._slot_of or bool(self._free)
+
+    def holds(self, key: str) -> bool:
+        """Whether ``key`` holds a slot (has running requests)."""
+        return key in self._slot_of
 
     def is_resident(self, key: str | None) -> bool:
         return key is None or key in self._slot_of

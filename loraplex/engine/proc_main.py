@@ -274,8 +274,8 @@ def _handle(conn: Connection, core: EngineCore, cmd: Command) -> None:
 
 
 def default_num_threads() -> int:
-    """All cores this process may use: the server process mostly waits on I/O."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+    """All cores this process may use (affinity, capped by a cgroup quota): the server process
+    mostly waits on I/O."""
+    from loraplex.cpu_threads import usable_cpus
+
+    return usable_cpus()

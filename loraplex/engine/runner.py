@@ -106,6 +106,8 @@ class ModelRunner:
             budget = int(total * cc.gpu_memory_utilization) - used_by_others
             # leave room for activations of the largest step (rough: logits dominate)
             budget -= 4 * self.scheduler_config.max_num_batched_tokens * self._spec.vocab_size * 4
+            if self.lora is not None:  # the adapter pool comes out of the same memory
+                budget = self.lora.kv_share(budget)
         else:
             # enough for every sequence at full length, plus the null block, at most 1 GiB
             per_seq = -(-self.max_model_len // self.block_size)
@@ -127,6 +129,8 @@ class ModelRunner:
         self.kv_cache = torch.zeros((s.num_layers, *shape), dtype=s.dtype, device=self.device)
         self.model.bind_attention(self.attn, list(self.kv_cache.unbind(0)))
         self.num_blocks = num_blocks
+        if self.lora is not None and self.lora.pool is None:
+            self.lora.allocate_pool(self.kv_cache.numel() * self.kv_cache.element_size())
         sched = self.scheduler_config
         self.graphs = build_decode_graphs(
             self.model,

@@ -9,8 +9,10 @@ dry, the policy's victim (FCFS: the newest running request) is preempted: its bl
 it goes back to the front of the waiting queue, to be recomputed later (its generated tokens are
 kept).
 
-With multi-LoRA, a step uses at most ``max_loras`` adapters (device slots, ``LoRASlots``); which
-waiting adapter request may pass another that has no slot is the policy's rule (``FCFSQueue``:
+With multi-LoRA, a step uses at most ``max_loras`` adapters (step slots, ``LoRASlots``), and a
+request is admitted only when its adapter is resident in the device pool (``AdapterResidency``:
+a miss starts a background load and the request waits, so no step stalls on a copy); which
+waiting adapter request may pass another that is not ready is the policy's rule (``FCFSQueue``:
 skipped, with a bound on how long a cold adapter waits).
 
 Priority preemption (policies "priority" and "fair"): when the request the policy would admit
@@ -40,7 +42,7 @@ alone with status ``FINISHED_ERROR``.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -95,6 +97,16 @@ class TokenConstraints(Protocol):
         ...
 
 
+class AdapterResidency(Protocol):
+    """The device adapter pool as the scheduler sees it (``lora/manager.py``)."""
+
+    def ensure_resident(self, key: str, in_use: Callable[[str], bool]) -> bool:
+        """Whether a request on adapter ``key`` may run now; when its adapter is not resident,
+        start loading it in the background and say no (the request waits, no step stalls).
+        Adapters for which ``in_use`` is true are never evicted to make room."""
+        ...
+
+
 class Scheduler:
     def __init__(
         self,
@@ -104,6 +116,7 @@ class Scheduler:
         max_loras: int = 1,
         waiting_queue: WaitingQueue | None = None,
         constraints: TokenConstraints | None = None,
+        residency: AdapterResidency | None = None,
     ):
         self.config = config
         self.kv = kv
@@ -120,6 +133,7 @@ class Scheduler:
         self._to_preempt: list[tuple[Request, Request]] = []
         self.tenant_weights: dict[str, float] = {}
         self.constraints = constraints
+        self.residency = residency
         self.stats = SchedulerStats()
 
     # ---- requests in and out ---------------------------------------------------------------
@@ -260,7 +274,7 @@ class Scheduler:
         and the KV pool allow; returns the budget left. A request that does not fit keeps its
         place and ends the pass (and may have victims marked for it: ``_mark_victims``)."""
         waiting = self.waiting
-        waiting.begin_admission(self.slots.can_acquire)
+        waiting.begin_admission(self._lora_ready)
         try:
             while budget > 0:
                 if len(self.running) >= self.config.max_num_seqs:
@@ -284,6 +298,12 @@ class Scheduler:
         finally:
             waiting.end_admission()
         return budget
+
+    def _lora_ready(self, key: str) -> bool:
+        """A request on adapter ``key`` may be admitted: a slot for it and its weights resident."""
+        if not self.slots.can_acquire(key):
+            return False
+        return self.residency is None or self.residency.ensure_resident(key, self.slots.holds)
 
     def _mark_victims(self, req: Request, hits: list[int], blocks: int = 0) -> None:
         """``req`` found no seat (``blocks`` 0) or lacks ``blocks`` KV blocks: mark the policy's

@@ -6,12 +6,12 @@ from loraplex.kernels.lora_expand import lora_expand, lora_expand_torch
 from loraplex.kernels.lora_ops import (
     BACKEND_ENV,
     LoRABackend,
-    LoRALayerWeights,
     add_lora,
     add_lora_torch,
     select_backend,
 )
 from loraplex.kernels.lora_shrink import HAS_TRITON, lora_shrink, lora_shrink_torch
+from loraplex.kernels.lora_weights import LoRALayerWeights, add_lora_reference, check_page_index
 from loraplex.kernels.meta import LoRAKernelMeta, TorchPlan
 
 __all__ = [
@@ -22,7 +22,9 @@ __all__ = [
     "LoRALayerWeights",
     "TorchPlan",
     "add_lora",
+    "add_lora_reference",
     "add_lora_torch",
+    "check_page_index",
     "lora_expand",
     "lora_expand_torch",
     "lora_shrink",

@@ -114,8 +114,10 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.lp_lora_add.argtypes = [
         ptr, i64, ptr, i64, i64,  # y, y_stride, x, x_stride, num_tokens
         i64, ptr, i64, i64,  # in_features, slots, max_loras, max_rank
-        ptr, ptr, i64,  # ranks, scales, num_slices
-        ptr, ptr, ptr, ptr, c_int,  # a_stacks, b_stacks, widths, offsets, num_threads
+        ptr, i64, i64,  # pages, p_slice_stride, p_slot_stride
+        ptr, i64, i64,  # ranks, r_slice_stride, num_slices
+        ptr, ptr, ptr,  # a_pools, b_pools, pool_rows
+        ptr, ptr, c_int,  # widths, offsets, num_threads
     ]  # fmt: skip
     lib.lp_add_rms_norm.restype = c_int
     lib.lp_add_rms_norm.argtypes = [

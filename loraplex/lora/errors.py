@@ -18,6 +18,7 @@ AdapterErrorCode = Literal[
     "modules_to_save",
     "bias_unsupported",
     "rank_too_large",
+    "pool_too_small",
     "bad_safetensors",
     "bad_dtype",
     "too_large",

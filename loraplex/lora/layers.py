@@ -1,9 +1,10 @@
 """LoRA-aware linear layers: a base projection plus one delta per adapter slot and output slice.
 
 ``LoRALinear`` wraps a model's ``Linear`` / ``PackedLinear`` (qkv_proj = q|k|v, gate_up_proj =
-gate|up). Its stacks hold every device slot's weights, zero-padded to ``max_rank``; the PEFT
-scaling of each (layer, module) is folded into that slice's B so one layer may mix adapters of
-different ranks and scalings. The step's token -> slot metadata comes from ``LoRAStep``, set by the
+gate|up). Adapter weights live in the manager's page pool (``LoRALayerWeights``: this layer's
+pool rows per slice and the page index shared by all layers); the PEFT scaling of each (layer,
+module) is folded into that slice's B rows, so one layer mixes adapters of any ranks and
+scalings without padding. The step's token -> slot metadata comes from ``LoRAStep``, set by the
 runner around exactly one forward pass; a step with no adapter token costs one attribute check.
 """
 
@@ -16,7 +17,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from loraplex.kernels.lora_ops import LoRABackend, LoRALayerWeights, add_lora, select_backend
+from loraplex.kernels.lora_ops import LoRABackend, add_lora, select_backend
+from loraplex.kernels.lora_weights import LoRALayerWeights
 from loraplex.kernels.meta import LoRAKernelMeta
 
 
@@ -63,52 +65,44 @@ class LoRALinear(nn.Module):
         self.offsets = [off for off, _ in slices.values()]
         self.sizes = [size for _, size in slices.values()]
         self.step = step
-        self.weights: LoRALayerWeights | None = None  # allocated at the first adapter load
+        self.weights: LoRALayerWeights | None = None  # bound when the manager allocates the pool
         self.backend: LoRABackend | None = None  # resolved once, with the stacks
 
     @property
     def in_features(self) -> int:
         return self.base.in_features
 
-    def allocate(self, max_loras: int, max_rank: int) -> None:
-        w = self.base.weight
-        dtype, device = w.dtype, w.device
-        self.weights = LoRALayerWeights(
-            lora_a=tuple(
-                torch.zeros(max_loras, max_rank, self.in_features, dtype=dtype, device=device)
-                for _ in self.sizes
-            ),  # per slice [max_loras, max_rank, in]
-            lora_b=tuple(
-                torch.zeros(max_loras, max_rank, n, dtype=dtype, device=device) for n in self.sizes
-            ),  # per slice [max_loras, max_rank, n_j]
-            slice_offsets=tuple(self.offsets),
-            ranks=torch.zeros(max_loras, dtype=torch.int32, device=w.device),
-            scales=torch.ones(max_loras, dtype=torch.float32, device=w.device),
-        )
-        self.backend = select_backend(device, dtype)
+    def bind(self, weights: LoRALayerWeights) -> None:
+        """Read adapters from ``weights`` (this layer's pool rows and the shared page index)."""
+        if weights.widths != tuple(self.sizes) or weights.slice_offsets != tuple(self.offsets):
+            raise ValueError(
+                f"pool slices {weights.widths} at {weights.slice_offsets} do not match the "
+                f"layer's {tuple(self.sizes)} at {tuple(self.offsets)}"
+            )
+        self.weights = weights
+        self.backend = select_backend(weights.device, weights.dtype)
 
-    def set_slot(
-        self, slot: int, per_slice: list[tuple[torch.Tensor, torch.Tensor, float] | None]
+    def write_rows(
+        self,
+        j: int,
+        rows: torch.Tensor,
+        a: torch.Tensor | None,
+        b: torch.Tensor | None,
+        scaling: float,
     ) -> None:
-        """Write one adapter into ``slot``: per slice (A [r, in], B [n, r], scaling) or None.
-
-        Drops whatever the LoRA kernels prepared from the slot's previous contents.
-        """
+        """Fill pool rows ``rows [R]`` of slice ``j`` with one adapter's module: A [r, in] and
+        B [n_j, r] (PEFT layout) with ``r <= R``; rows past r, or all of them when the module is
+        absent in this layer (``a`` None), are zeroed. Callers invalidate the slots they remap."""
         assert self.weights is not None
-        rank = 0
-        for j, entry in enumerate(per_slice):
-            a_stack, b_stack = self.weights.lora_a[j][slot], self.weights.lora_b[j][slot]
-            a_stack.zero_()
-            b_stack.zero_()
-            if entry is None:
-                continue
-            a, b, scaling = entry
-            r = a.shape[0]
-            a_stack[:r].copy_(a)  # [r, in]
-            b_stack[:r].copy_((b * scaling).t())  # [r, n], PEFT scaling folded in
-            rank = max(rank, r)
-        self.weights.ranks[slot] = rank
-        self.weights.invalidate(slot)
+        pool_a, pool_b = self.weights.lora_a[j], self.weights.lora_b[j]
+        r = 0 if a is None or b is None else int(a.shape[0])
+        if r:
+            assert a is not None and b is not None
+            pool_a.index_copy_(0, rows[:r], a.to(pool_a.dtype))  # [r, in]
+            pool_b.index_copy_(0, rows[:r], (b.t() * scaling).to(pool_b.dtype))  # [r, n_j]
+        if r < rows.numel():
+            pool_a.index_fill_(0, rows[r:], 0.0)
+            pool_b.index_fill_(0, rows[r:], 0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # [T, out]

@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from loraplex.engine.client import EngineClient
+from loraplex.platform.adapter_metrics import AdapterVersionIndex
 from loraplex.platform.admin_token import AdminCredential
 from loraplex.platform.auth import Authenticator, OperatorKeyAuthenticator
 from loraplex.platform.metrics import PlatformMetrics
@@ -113,7 +114,10 @@ class Platform:
             client=client,
             resolver=resolver,
             serving=serving,
-            metrics=PlatformMetrics(client),
+            metrics=PlatformMetrics(
+                client,
+                versions=AdapterVersionIndex(store.db) if store is not None else None,
+            ),
             authenticator=authenticator,
             tenancy=tenancy,
         )

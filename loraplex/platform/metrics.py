@@ -8,10 +8,11 @@ Two sources:
   first output of each engine request);
 * **engine** metrics, read from ``EngineClient.stats()`` at scrape time (within
   ``stats_timeout``): running and waiting requests, KV cache usage, prefix-cache queries and hits,
-  preemptions, adapter loads, evictions and residency per tier, and per tenant what the
-  scheduler gave it (``tenant_metrics.py``). When the engine does not answer,
-  the scrape still succeeds: ``loraplex_engine_healthy 0``, the engine's gauges left out, its
-  counters at their last known totals.
+  preemptions, adapter loads, evictions and residency per tier, the device adapter pool's pages
+  and bytes, where each adapter version is (``adapter_metrics.py``: labelled by registry version
+  id, capped), and per tenant what the scheduler gave it (``tenant_metrics.py``). When the
+  engine does not answer, the scrape still succeeds: ``loraplex_engine_healthy 0``, the
+  engine's gauges left out, its counters at their last known totals.
 
 Labels are bounded. ``model`` is the served name the request resolved to (the base model or a
 loaded adapter), or ``_unresolved`` when it did not resolve: never the string the caller sent.
@@ -37,6 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 
 from loraplex.engine.client import EngineClient, EngineStats
+from loraplex.platform.adapter_metrics import AdapterVersionIndex, ResidencyCollector
 from loraplex.platform.engine_state import EngineNotAnswering, read_engine_stats
 from loraplex.platform.engine_totals import MonotonicTotals
 from loraplex.platform.request_log import RequestRecord
@@ -66,7 +68,15 @@ E2E_BUCKETS = (
 class PlatformMetrics:
     """The app's metrics registry; ``observe`` each finished request, ``scrape`` for the text."""
 
-    def __init__(self, client: EngineClient, *, stats_timeout: float = 3.0) -> None:
+    def __init__(
+        self,
+        client: EngineClient,
+        *,
+        stats_timeout: float = 3.0,
+        versions: AdapterVersionIndex | None = None,
+    ) -> None:
+        """``versions``: the registry's adapter versions, for the residency gauge's labels
+        (None: no registry; every adapter counts in ``_other``)."""
         self.client = client
         self.stats_timeout = stats_timeout
         self.registry = CollectorRegistry()
@@ -111,6 +121,8 @@ class PlatformMetrics:
         self.registry.register(self.engine)
         self.tenants = TenantCollector()
         self.registry.register(self.tenants)
+        self.residency = ResidencyCollector(versions)
+        self.registry.register(self.residency)
         self._scrape_lock = asyncio.Lock()  # snapshots reach the collector in order
 
     def observe(self, record: RequestRecord) -> None:
@@ -145,6 +157,7 @@ class PlatformMetrics:
                     logger.warning("metrics: no engine stats: %s", exc.reason)
             self.engine.update(stats)
             self.tenants.update(stats)
+            await self.residency.update(stats)
             return generate_latest(self.registry)
 
 
@@ -159,6 +172,10 @@ class _EngineCounter:
     tier: str | None = None  # the ``tier`` label of adapter counters
 
 
+ADAPTER_LOADS_DOC = (
+    "Adapter loads by tier: device, copies into the device pool; host, adapters parsed from "
+    "disk into host memory."
+)
 ENGINE_COUNTERS = (
     _EngineCounter(
         "num_preemptions", "loraplex_preemptions", "Requests preempted (KV full; recomputed)."
@@ -184,14 +201,26 @@ ENGINE_COUNTERS = (
         "loraplex_engine_prompt_tokens_computed",
         "Prompt tokens run through the model (cache hits excluded, recomputation included).",
     ),
-    # device: copied into a device slot; host: parsed from disk into host memory.
-    _EngineCounter("lora_slot_loads", "loraplex_adapter_loads", "Adapter loads by tier.", "device"),
-    _EngineCounter("lora_disk_loads", "loraplex_adapter_loads", "Adapter loads by tier.", "host"),
+    _EngineCounter("lora_slot_loads", "loraplex_adapter_loads", ADAPTER_LOADS_DOC, "device"),
+    _EngineCounter("lora_disk_loads", "loraplex_adapter_loads", ADAPTER_LOADS_DOC, "host"),
     _EngineCounter(
         "lora_slot_evictions", "loraplex_adapter_evictions", "Adapter evictions by tier.", "device"
     ),
     _EngineCounter(
         "lora_host_evictions", "loraplex_adapter_evictions", "Adapter evictions by tier.", "host"
+    ),
+    _EngineCounter(
+        "lora_load_waits",
+        "loraplex_adapter_load_waits",
+        "Engine steps that waited for an adapter's copy into the device pool.",
+    ),
+    _EngineCounter(
+        "lora_loads_deferred",
+        "loraplex_adapter_loads_deferred",
+        "Adapter loads put off: the device pool was full of adapters in use or pinned.",
+    ),
+    _EngineCounter(
+        "lora_load_bytes", "loraplex_adapter_load_bytes", "Bytes copied into the device pool."
     ),
 )
 
@@ -203,6 +232,29 @@ ENGINE_GAUGES = {
     "kv_cache_usage": ("loraplex_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1)."),
     "kv_blocks_used": ("loraplex_kv_cache_used_blocks", "KV blocks in use."),
     "kv_blocks_total": ("loraplex_kv_cache_usable_blocks", "KV blocks the engine can hand out."),
+    "lora_adapter_bytes": (
+        "loraplex_adapter_weight_bytes",
+        "The device-resident adapters' own weights, at their ranks (pool bytes used over this: "
+        "the padding).",
+    ),
+    "lora_loads_in_flight": (
+        "loraplex_adapter_loads_in_flight",
+        "Adapter copies into the device pool under way.",
+    ),
+}
+
+# gauge -> (help, LoRAStats field of the whole, field of the part used): state="used"|"free"
+POOL_GAUGES = {
+    "loraplex_adapter_pool_pages": (
+        "Pages of the device adapter pool (one page: a rank-row in every layer), used and free.",
+        "pool_pages",
+        "pool_pages_used",
+    ),
+    "loraplex_adapter_pool_bytes": (
+        "Device memory of the adapter pool, used by resident adapters and free.",
+        "pool_bytes",
+        "pool_bytes_used",
+    ),
 }
 
 # LoRAStats field -> tier of loraplex_adapters_resident ("disk": every adapter registered)
@@ -279,7 +331,7 @@ class EngineCollector:
                 yield GaugeMetricFamily(name, doc, value=float(value or 0))
         resident = GaugeMetricFamily(
             "loraplex_adapters_resident",
-            "Adapters per tier: device slots, host memory, disk (every registered adapter).",
+            "Adapters per tier: the device pool, host memory, disk (every registered adapter).",
             labels=["tier"],
         )
         lora = stats.lora if stats is not None else None
@@ -288,3 +340,11 @@ class EngineCollector:
                 resident.add_metric([tier], float(getattr(lora, key)))
         if include_all or resident.samples:
             yield resident
+        for name, (doc, whole, part) in POOL_GAUGES.items():
+            pool = GaugeMetricFamily(name, doc, labels=["state"])
+            if lora is not None:
+                used = float(getattr(lora, part))
+                pool.add_metric(["used"], used)
+                pool.add_metric(["free"], max(float(getattr(lora, whole)) - used, 0.0))
+            if include_all or pool.samples:
+                yield pool

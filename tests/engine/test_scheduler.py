@@ -14,7 +14,7 @@ import pytest
 from loraplex.config import SchedulerConfig
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.records import EngineCoreOutput, RunnerOutput, TokenLogprobs
-from loraplex.engine.request import Request
+from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.scheduler import Scheduler
 from loraplex.sampling_params import SamplingParams
 from tests.utils.fake_runner import FakeRunner, next_token, reference_generate
@@ -479,3 +479,47 @@ def test_random_rollbacks_with_forced_tokens_keep_the_kv_right() -> None:
             forced = forced_at[sid].get(len(tokens))
             assert t == (forced if forced is not None else next_token(tokens, r.params.seed or 0))
             tokens.append(t)
+
+
+class FakeResidency:
+    """Adapters become resident ``delay`` checks after their first miss (a background load)."""
+
+    def __init__(self, delay: int) -> None:
+        self.delay = delay
+        self.pending: dict[str, int] = {}
+        self.ready: set[str] = set()
+        self.in_use_seen: list[bool] = []
+
+    def ensure_resident(self, key: str, in_use) -> bool:  # type: ignore[no-untyped-def]
+        self.in_use_seen.append(in_use(key))
+        if key in self.ready:
+            return True
+        left = self.pending.setdefault(key, self.delay)
+        if left == 0:
+            self.ready.add(key)
+            return True
+        self.pending[key] = left - 1
+        return False
+
+
+def test_requests_wait_for_their_adapter_to_be_resident_while_others_run() -> None:
+    kv = KVCacheManager(200, 4, True)
+    residency = FakeResidency(delay=3)
+    sched = Scheduler(SchedulerConfig(16, 64), kv, 256, max_loras=4, residency=residency)
+    runner = FakeRunner(200, 4)
+    base = Request("base", [1, 2, 3], SamplingParams(max_tokens=6))
+    cold = Request("cold", [4, 5, 6], SamplingParams(max_tokens=2), lora_key="a")
+    sched.add_request(base)
+    sched.add_request(cold)
+    steps_before_cold: list[set[str]] = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        ids = {s.request_id for s in out.requests}
+        if "cold" not in ids and cold.status == RequestStatus.WAITING:
+            steps_before_cold.append(ids)
+        sched.update(out, runner.execute(out))
+    # The base request ran while the adapter loaded; the adapter request ran once resident.
+    assert len(steps_before_cold) >= 3 and all(ids == {"base"} for ids in steps_before_cold)
+    assert cold.num_output_tokens == 2 and base.num_output_tokens == 6
+    assert residency.ready == {"a"}
+    assert not any(residency.in_use_seen)  # nothing held adapter "a" while it was not resident

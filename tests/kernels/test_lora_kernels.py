@@ -1,29 +1,40 @@
-"""LoRA shrink/expand: Triton kernels (interpreted on the CPU) vs torch paths vs a per-token loop."""
+"""LoRA over the page pool: Triton kernels (interpreted on the CPU), the native kernel and the torch
+paths against the per-token loop ``add_lora_reference``.
+
+Weights come from ``tests.utils.lora_pool``: pages shuffled and scattered over the pool, garbage
+rows between them, so a wrong page read shows.
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from loraplex.kernels import (
+from loraplex.kernels import lora_ops, native
+from loraplex.kernels.lora_expand import lora_expand, lora_expand_torch
+from loraplex.kernels.lora_native import add_lora_native, native_fits
+from loraplex.kernels.lora_ops import (
     BACKEND_ENV,
-    HAS_TRITON,
-    LoRAKernelMeta,
-    LoRALayerWeights,
+    GROUP_CACHE_SIZE,
+    LOOP_MAX_SEGMENTS,
+    TorchLoRACache,
     add_lora,
     add_lora_torch,
-    lora_expand,
-    lora_expand_torch,
-    lora_ops,
-    lora_shrink,
-    lora_shrink_torch,
-    native,
     select_backend,
 )
-from loraplex.kernels.lora_ops import GROUP_CACHE_SIZE, LOOP_MAX_SEGMENTS, add_lora_native
+from loraplex.kernels.lora_shrink import HAS_TRITON, lora_shrink, lora_shrink_torch
+from loraplex.kernels.lora_weights import LoRALayerWeights
+from loraplex.kernels.meta import LoRAKernelMeta
+from tests.utils.lora_pool import (
+    Case,
+    dense_reference,
+    dense_shrink,
+    make_case,
+    reference,
+)
 
 TOL = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),
@@ -41,117 +52,126 @@ def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-@dataclass
-class Case:
-    x: torch.Tensor  # [T, in]
-    y0: torch.Tensor  # [T, total_out]
-    slots: torch.Tensor  # [T]
-    weights: LoRALayerWeights
-    meta: LoRAKernelMeta
+needs_native = pytest.mark.skipif(
+    native.library() is None and not os.environ.get("CI"),
+    reason="loraplex's native CPU kernels are not built here (no C compiler)",
+)
 
 
-def make_weights(
-    ranks: list[int],
-    max_rank: int,
-    in_features: int,
-    widths: list[int],
-    dtype: torch.dtype,
-    gen: torch.Generator,
-) -> LoRALayerWeights:
-    """Stacks with random weights in each slot's first ``rank`` rows/cols, zeros beyond."""
-    L = len(ranks)
-    a_list, b_list = [], []
-    for n in widths:
-        a = torch.zeros(L, max_rank, in_features)  # [L, R, in]
-        b = torch.zeros(L, max_rank, n)  # [L, R, n]
-        for s, r in enumerate(ranks):
-            a[s, :r] = torch.randn(r, in_features, generator=gen) / in_features**0.5
-            b[s, :r] = torch.randn(r, n, generator=gen) / max(r, 1) ** 0.5
-        a_list.append(a.to(dtype))
-        b_list.append(b.to(dtype))
-    offsets = [sum(widths[:j]) for j in range(len(widths))]
-    scales = torch.tensor([2.0 / max(r, 1) ** 0.5 + 0.25 * s for s, r in enumerate(ranks)])
-    return LoRALayerWeights(
-        tuple(a_list),
-        tuple(b_list),
-        tuple(offsets),
-        torch.tensor(ranks, dtype=torch.int32),
-        scales,
-    )
-
-
-def make_case(
-    slots: list[int],
-    ranks: list[int],
-    max_rank: int,
-    in_features: int,
-    widths: list[int],
-    dtype: torch.dtype = torch.float32,
-    max_num_tokens: int = 32,
-    seed: int = 0,
-) -> Case:
-    gen = torch.Generator().manual_seed(seed)
-    T = len(slots)
-    weights = make_weights(ranks, max_rank, in_features, widths, dtype, gen)
-    x = torch.randn(T, in_features, generator=gen).to(dtype)
-    y0 = torch.randn(T, sum(widths), generator=gen).to(dtype)
-    meta = LoRAKernelMeta(max_num_tokens, len(ranks))
-    token_slots = torch.tensor(slots, dtype=torch.int64)
-    meta.prepare(token_slots)
-    return Case(x, y0, token_slots, weights, meta)
-
-
-def naive_add_lora(case: Case) -> torch.Tensor:
-    """One token at a time, in fp32, straight from the definition."""
-    w = case.weights
-    y = case.y0.float().clone()  # [T, total_out]
-    for t, s in enumerate(case.slots.tolist()):
-        if s < 0:
-            continue
-        r = int(w.ranks[s])
-        for a, b, off in zip(w.lora_a, w.lora_b, w.slice_offsets, strict=True):
-            h = w.scales[s] * (case.x[t].float() @ a[s, :r].float().T)  # [r]
-            y[t, off : off + b.shape[2]] += h @ b[s, :r].float()
+def run_triton(case: Case) -> torch.Tensor:
+    w, meta = case.weights, case.meta
+    buf = meta.workspace(w.num_slices, w.max_rank)  # [S, T, R] fp32
+    y = case.y0.clone()
+    lora_shrink(case.x, w, meta, buf)
+    lora_expand(buf, w, meta, y)
     return y
 
 
-def naive_shrink(case: Case) -> torch.Tensor:
+def run_torch_reference(case: Case) -> torch.Tensor:
+    w, meta = case.weights, case.meta
+    buf = torch.zeros(w.num_slices, len(case.slots), w.max_rank)  # [S, T, R]
+    y = case.y0.clone()
+    lora_shrink_torch(case.x, w, meta, buf)
+    lora_expand_torch(buf, w, meta, y)
+    return y
+
+
+def run_native(case: Case) -> torch.Tensor:
+    if native.library() is None:
+        pytest.skip("loraplex's native CPU kernels are not built here")
+    y = case.y0.clone()
+    add_lora_native(y, case.x, case.weights, case.meta)
+    return y
+
+
+def run_torch(case: Case) -> torch.Tensor:
+    y = case.y0.clone()
+    add_lora_torch(y, case.x, case.weights, case.meta)
+    return y
+
+
+def run_add_lora(case: Case) -> torch.Tensor:
+    """The dispatcher's own choice on the CPU (native or torch, by its rules)."""
+    y = case.y0.clone()
+    add_lora(y, case.x, case.weights, case.meta)
+    return y
+
+
+BACKENDS: dict[str, Callable[[Case], torch.Tensor]] = {
+    "triton": run_triton,
+    "torch_reference": run_torch_reference,
+    "native": run_native,
+    "torch": run_torch,
+    "add_lora": run_add_lora,
+}
+
+
+@pytest.fixture(params=list(BACKENDS))
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    name: str = request.param
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    if name == "triton":
+        if not HAS_TRITON:
+            pytest.skip("triton is not installed")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return name
+
+
+def check_backend(name: str, case: Case) -> torch.Tensor:
+    """Run ``name`` on ``case``; assert it matches the reference loop and leaves the rows of
+    base-model tokens untouched."""
+    want = reference(case)
+    y = BACKENDS[name](case)
+    torch.testing.assert_close(y.float(), want, **TOL[case.x.dtype])
+    base = torch.tensor([s < 0 for s in case.slots], dtype=torch.bool)
+    assert torch.equal(y[base], case.y0[base])
+    return y
+
+
+# Mixed ranks (1 to 128: one below a tile, tile-aligned, one past a tile, several tiles), an active
+# slot with rank 0 in every slice, one that does not target k (rank 0 in slice 1 only), a loaded
+# slot no token uses, base tokens interleaved, unsorted token order.
+MIXED_SLOTS = [2, -1, 0, 3, 2, 0, -1, 1, 3, 3, 0, 2, -1, 1, 0, 4, 6, 7, 6]
+MIXED_RANKS = [
+    [1, 17, 16, 128, 0, 8, 3, 64],  # q
+    [1, 17, 16, 128, 0, 8, 0, 64],  # k: slot 6 does not target k
+    [1, 17, 16, 128, 0, 8, 3, 64],  # v
+]
+QKV_WIDTHS = [32, 16, 24]  # q | k | v at offsets 0, 32, 48
+
+
+def test_pooled_weights_helper_scatters_pages_and_agrees_with_dense() -> None:
+    case = make_case(MIXED_SLOTS, MIXED_RANKS, 48, QKV_WIDTHS)
     w = case.weights
-    out = torch.zeros(len(w.lora_a), case.x.shape[0], w.max_rank)  # [slices, T, R]
-    for t, s in enumerate(case.slots.tolist()):
-        if s >= 0:
-            for j, a in enumerate(w.lora_a):
-                out[j, t] = w.scales[s] * (case.x[t].float() @ a[s].float().T)
-    return out
+    rows = w.slot_rows(0, 3).tolist()  # slot 3, rank 128
+    assert rows != sorted(rows) and max(rows) - min(rows) > len(rows)  # shuffled, scattered
+    torch.testing.assert_close(reference(case), dense_reference(case), **TOL[torch.float32])
 
 
-# Mixed ranks (one tile-aligned, one partial tile, one spanning four tiles), an active slot with
-# rank 0, a loaded slot no token uses, base tokens interleaved, unsorted token order.
-MIXED_SLOTS = [2, -1, 0, 3, 2, 0, -1, 1, 3, 3, 0, 2, -1, 1, 0, 4]
-MIXED_RANKS = [4, 12, 16, 64, 0, 8]  # slot 5 (rank 8) is loaded but unused this step
-QKV_WIDTHS = [32, 16, 16]  # q | k | v at offsets 0, 32, 48
+# --- Triton kernels and their torch references ---
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_triton_matches_torch_and_naive(interpret: None, dtype: torch.dtype) -> None:
-    case = make_case(MIXED_SLOTS, MIXED_RANKS, 64, 48, QKV_WIDTHS, dtype)
+def test_triton_matches_torch_and_reference(interpret: None, dtype: torch.dtype) -> None:
+    case = make_case(MIXED_SLOTS, MIXED_RANKS, 48, QKV_WIDTHS, dtype)
     w, meta, tol = case.weights, case.meta, TOL[dtype]
-    want_buf = naive_shrink(case)
-    buf_tri = torch.zeros(3, len(MIXED_SLOTS), 64)
-    buf_ref = torch.zeros(3, len(MIXED_SLOTS), 64)
-    lora_shrink(case.x, w.lora_a, meta, w.ranks, w.scales, buf_tri)
-    lora_shrink_torch(case.x, w.lora_a, meta, w.ranks, w.scales, buf_ref)
+    T = len(MIXED_SLOTS)
+    want_buf = dense_shrink(case)
+    buf_tri = torch.zeros(3, T, w.max_rank)
+    buf_ref = torch.zeros(3, T, w.max_rank)
+    lora_shrink(case.x, w, meta, buf_tri)
+    lora_shrink_torch(case.x, w, meta, buf_ref)
     torch.testing.assert_close(buf_tri, want_buf, **tol)
     torch.testing.assert_close(buf_ref, want_buf, **tol)
 
-    want_y = naive_add_lora(case)
+    want_y = reference(case)
     y_tri, y_ref = case.y0.clone(), case.y0.clone()
-    lora_expand(buf_tri, w.lora_b, meta, w.ranks, y_tri, w.slice_offsets)
-    lora_expand_torch(buf_ref, w.lora_b, meta, w.ranks, y_ref, w.slice_offsets)
+    lora_expand(buf_tri, w, meta, y_tri)
+    lora_expand_torch(buf_ref, w, meta, y_ref)
     for y in (y_tri, y_ref):
         torch.testing.assert_close(y.float(), want_y, **tol)
-    base = case.slots < 0
-    assert torch.equal(y_tri[base], case.y0[base])  # base-model rows untouched
+    base = torch.tensor([s < 0 or s == 4 for s in MIXED_SLOTS])  # base and all-rank-0 tokens
+    assert torch.equal(y_tri[base], case.y0[base])
 
     y_ops = case.y0.clone()
     add_lora(y_ops, case.x, w, meta, backend="triton")
@@ -159,93 +179,300 @@ def test_triton_matches_torch_and_naive(interpret: None, dtype: torch.dtype) -> 
 
 
 def test_expand_stops_at_each_slot_rank(interpret: None) -> None:
-    """Columns of buf past a slot's rank are never read: NaN there must not leak into y."""
-    case = make_case(MIXED_SLOTS, MIXED_RANKS, 64, 48, QKV_WIDTHS)
+    """Columns of buf past a slot's rank in a slice are never read: NaN there must not leak."""
+    case = make_case(MIXED_SLOTS, MIXED_RANKS, 48, QKV_WIDTHS)
     w, meta = case.weights, case.meta
-    buf = torch.zeros(3, len(MIXED_SLOTS), 64)
-    lora_shrink_torch(case.x, w.lora_a, meta, w.ranks, w.scales, buf)
+    buf = torch.zeros(3, len(MIXED_SLOTS), w.max_rank)
+    lora_shrink_torch(case.x, w, meta, buf)
     for t, s in enumerate(MIXED_SLOTS):
-        buf[:, t, MIXED_RANKS[s] if s >= 0 else 0 :] = float("nan")
+        for j in range(3):
+            buf[j, t, MIXED_RANKS[j][s] if s >= 0 else 0 :] = float("nan")
     y_tri, y_ref = case.y0.clone(), case.y0.clone()
-    lora_expand(buf, w.lora_b, meta, w.ranks, y_tri, w.slice_offsets)
-    lora_expand_torch(buf, w.lora_b, meta, w.ranks, y_ref, w.slice_offsets)
-    torch.testing.assert_close(y_tri, naive_add_lora(case), **TOL[torch.float32])
+    lora_expand(buf, w, meta, y_tri)
+    lora_expand_torch(buf, w, meta, y_ref)
+    torch.testing.assert_close(y_tri, reference(case), **TOL[torch.float32])
     torch.testing.assert_close(y_ref, y_tri, **TOL[torch.float32])
+
+
+def test_page_entries_past_the_rank_are_never_read(interpret: None) -> None:
+    """Entries at k >= rank may hold anything, even rows outside the pool."""
+    case = make_case(MIXED_SLOTS, MIXED_RANKS, 48, QKV_WIDTHS)
+    w = case.weights
+    want = reference(case)
+    k = torch.arange(w.max_rank)  # [R]
+    past = k.view(1, 1, -1) >= w.ranks.unsqueeze(2)  # [S, L, R]
+    w.pages.masked_fill_(past, -(2**30))
+    w.invalidate()
+    for name in ("triton", "torch_reference", "native", "torch"):
+        torch.testing.assert_close(BACKENDS[name](case), want, **TOL[torch.float32])
 
 
 def test_triton_single_slice_and_meta_reuse(interpret: None) -> None:
     """A down_proj-like layer (one slice) over two steps of one meta: the smaller step must not
     see the bigger step's segments."""
-    case = make_case(
-        [1, 0, 1, 1, 0, -1, 2, 2, 2, 0] * 3, [8, 16, 4], 16, 64, [40], max_num_tokens=32
-    )
-    w = case.weights
-    y = case.y0.clone()
-    add_lora(y, case.x, w, case.meta, backend="triton")
-    torch.testing.assert_close(y, naive_add_lora(case), **TOL[torch.float32])
+    ranks = [8, 16, 4]
+    case = make_case([1, 0, 1, 1, 0, -1, 2, 2, 2, 0] * 3, ranks, 64, [40], max_num_tokens=32)
+    torch.testing.assert_close(run_triton(case), reference(case), **TOL[torch.float32])
 
-    small = make_case([2, -1, 2], [8, 16, 4], 16, 64, [40], seed=1)
-    small.meta = case.meta  # reuse the first step's meta and workspace
-    small.meta.prepare(small.slots)
-    small.weights = w
+    small = make_case([2, -1, 2], ranks, 64, [40], seed=1)
+    small.pool = case.pool  # the first step's weights, meta and workspace
+    small.meta = case.meta
+    small.meta.prepare(torch.tensor(small.slots))
     y = small.y0.clone()
-    add_lora(y, small.x, w, small.meta, backend="triton")
-    torch.testing.assert_close(y, naive_add_lora(small), **TOL[torch.float32])
+    add_lora(y, small.x, small.weights, small.meta, backend="triton")
+    torch.testing.assert_close(y, reference(small), **TOL[torch.float32])
+
+
+def test_triton_segments_over_several_row_tiles(interpret: None) -> None:
+    """Segments of 33, 1, 65 and 32 rows (block_m 32): 7 row tiles, partial ones included, all
+    found by the kernel's own segment lookup within its (cdiv(T, BM) + segments)-row grid."""
+    slots = [0] * 33 + [1] + [2] * 65 + [3] * 32 + [-1] * 3
+    order = torch.randperm(len(slots), generator=torch.Generator().manual_seed(2)).tolist()
+    case = make_case([slots[i] for i in order], [2, 16, 5, 9], 32, [16, 8])
+    check_backend("triton", case)
 
 
 def test_all_base_tokens_is_a_no_op(interpret: None) -> None:
-    case = make_case([-1] * 6, [8, 8], 16, 32, [16, 16])
+    case = make_case([-1] * 6, [8, 8], 32, [16, 16])
     w, meta = case.weights, case.meta
     assert not meta.has_lora
-    buf = torch.full((2, 6, 16), 7.0)
-    lora_shrink(case.x, w.lora_a, meta, w.ranks, w.scales, buf)
+    buf = torch.full((2, 6, 8), 7.0)
+    lora_shrink(case.x, w, meta, buf)
+    lora_shrink_torch(case.x, w, meta, buf)
     assert bool((buf == 7.0).all())
-    for backend in ("triton", "torch"):
-        y = case.y0.clone()
-        add_lora(y, case.x, w, meta, backend=backend)  # type: ignore[arg-type]
-        assert torch.equal(y, case.y0)
+    for run in (run_triton, run_torch_reference, run_native, run_torch, run_add_lora):
+        assert torch.equal(run(case), case.y0)
 
 
 def test_launcher_rejects_bad_arguments(interpret: None) -> None:
-    case = make_case([0, 1, -1, 0], [4, 8], 16, 32, [16, 8])
-    w, meta = case.weights, case.meta
-    buf = torch.zeros(2, 4, 16)
-    a = list(w.lora_a)
-    with pytest.raises(ValueError, match=r"lora_a\[1\] is torch.float16"):
-        lora_shrink(case.x, [a[0], a[1].half()], meta, w.ranks, w.scales, buf)
-    with pytest.raises(ValueError, match="contiguous"):
-        lora_shrink(
-            case.x,
-            [a[0], a[1].transpose(1, 2).contiguous().transpose(1, 2)],
-            meta,
-            w.ranks,
-            w.scales,
-            buf,
-        )
-    with pytest.raises(ValueError, match="out must be"):
-        lora_shrink(case.x, a, meta, w.ranks, w.scales, buf[:1])
-    with pytest.raises(ValueError, match="1 to 3 slices"):
-        lora_shrink(case.x, a * 2, meta, w.ranks, w.scales, torch.zeros(4, 4, 16))
-    with pytest.raises(ValueError, match="ranks must be int32"):
-        lora_shrink(case.x, a, meta, w.ranks.long(), w.scales, buf)
-    with pytest.raises(ValueError, match="prepared for 4"):
-        lora_shrink(case.x[:3], a, meta, w.ranks, w.scales, buf[:, :3])
-    with pytest.raises(ValueError, match="does not fit"):
-        lora_expand(buf, w.lora_b, meta, w.ranks, case.y0[:, :20], w.slice_offsets)
+    case = make_case([0, 1, -1, 0], [4, 8], 32, [16, 8])
+    w, meta, x, y = case.weights, case.meta, case.x, case.y0
+    buf = torch.zeros(2, 4, 8)
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        lora_shrink(x.half(), w, meta, buf)
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        lora_shrink(x.t().contiguous().t(), w, meta, buf)
+    with pytest.raises(ValueError, match="x has 31 features"):
+        lora_shrink(x[:, :31], w, meta, buf)
     with pytest.raises(ValueError, match="buf must be"):
-        lora_expand(buf.half(), w.lora_b, meta, w.ranks, case.y0, w.slice_offsets)
+        lora_shrink(x, w, meta, buf[:1])
+    with pytest.raises(ValueError, match="buf must be"):
+        lora_shrink(x, w, meta, torch.zeros(2, 4, 16))  # not max_rank wide
+    with pytest.raises(ValueError, match="buf must be contiguous"):
+        lora_shrink(x, w, meta, torch.zeros(2, 8, 4).transpose(1, 2))
+    with pytest.raises(ValueError, match="prepared for 4"):
+        lora_shrink(x[:3], w, meta, buf[:, :3])
+    other = LoRAKernelMeta(8, 3)
+    other.prepare(torch.tensor([0, 1, -1, 0]))
+    with pytest.raises(ValueError, match="max_loras=3"):
+        lora_shrink(x, w, other, buf)
+    four = LoRALayerWeights(
+        w.lora_a * 2, w.lora_b * 2, w.pages.repeat(2, 1, 1), w.ranks.repeat(2, 1), (0, 16, 24, 32)
+    )
+    with pytest.raises(ValueError, match="1 to 3 slices"):
+        lora_shrink(x, four, meta, torch.zeros(4, 4, 8))
+    with pytest.raises(ValueError, match="does not fit"):
+        lora_expand(buf, w, meta, y[:, :20])
+    with pytest.raises(ValueError, match="y must be 2-D"):
+        lora_expand(buf, w, meta, y.half())
+    with pytest.raises(ValueError, match="buf must be"):
+        lora_expand(buf.half(), w, meta, y)
+    overlapping = LoRALayerWeights(w.lora_a, w.lora_b, w.pages, w.ranks, (0, 10))
+    with pytest.raises(ValueError, match="must not overlap"):
+        lora_expand(buf, overlapping, meta, y)
 
 
 def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    case = make_case([0, 1], [4, 8], 16, 32, [16])
+    case = make_case([0, 1], [4, 8], 32, [16])
+    buf = case.meta.workspace(1, 8)
     with pytest.raises(ValueError, match="CUDA tensor"):
-        add_lora(case.y0.clone(), case.x, case.weights, case.meta, backend="triton")
+        lora_shrink(case.x, case.weights, case.meta, buf)
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        lora_expand(buf, case.weights, case.meta, case.y0.clone())
 
 
-# --- the production CPU path (torch) against the naive loop; larger shapes are fine here ---
+# --- every backend against the reference loop (issue 15) ---
+
+
+MIXED_1_128 = [1, 2, 3, 7, 8, 15, 16, 17, 31, 33, 64, 100, 127, 128]
+
+
+@pytest.mark.parametrize("widths", [[48], QKV_WIDTHS], ids=["1-slice", "3-slices"])
+def test_mixed_ranks_1_to_128(backend: str, widths: list[int]) -> None:
+    L = len(MIXED_1_128)
+    slots = [int(s) for s in torch.randperm(3 * L, generator=torch.Generator().manual_seed(5))]
+    slots = [s % (L + 1) - 1 for s in slots]  # each slot 2-3 tokens, base tokens among them
+    per_slice = [[MIXED_1_128[(s + 3 * j) % L] for s in range(L)] for j in range(len(widths))]
+    check_backend(backend, make_case(slots, per_slice, 32, widths))
+
+
+def test_empty_adapters(backend: str) -> None:
+    """Slot 1: rank 0 in every slice (an empty adapter); slot 2 targets only q; slot 3 q and v."""
+    ranks = [[8, 0, 4, 16], [8, 0, 0, 0], [8, 0, 0, 16]]
+    case = make_case([1, 0, 2, 3, 1, -1, 3, 2, 1], ranks, 32, QKV_WIDTHS)
+    y = check_backend(backend, case)
+    empty = torch.tensor([s == 1 for s in case.slots])
+    assert torch.equal(y[empty], case.y0[empty])  # rank 0 everywhere: rows untouched
+    k_cols = slice(32, 48)  # slots 2 and 3 do not target k
+    rows = torch.tensor([s in (2, 3) for s in case.slots])
+    assert torch.equal(y[rows, k_cols], case.y0[rows, k_cols])
+
+
+def test_only_empty_adapters(backend: str) -> None:
+    case = make_case([0, -1, 1, 0], [0, 0], 32, QKV_WIDTHS)
+    assert torch.equal(check_backend(backend, case), case.y0)
+
+
+@pytest.mark.parametrize("num_adapters", [1, 2, 64, 256])
+@pytest.mark.parametrize("widths", [[40], QKV_WIDTHS], ids=["1-slice", "3-slices"])
+def test_many_adapters_in_one_batch(backend: str, num_adapters: int, widths: list[int]) -> None:
+    """1, 2, 64 and 256 distinct adapters in one batch (256: one token each), mixed ranks (up to
+    64 with 64 adapters, 16 with 256; rank 128 is in test_mixed_ranks_1_to_128: a large max_rank
+    multiplies the shrink programs the interpreter runs for 256 segments)."""
+    ranks = [(1, 4, 8, 2, 16, 3, 5)[s % 7] for s in range(num_adapters)]
+    if num_adapters == 64:
+        ranks[num_adapters // 2] = 64  # one large rank
+    if num_adapters == 256:
+        slots = [int(s) for s in torch.randperm(256, generator=torch.Generator().manual_seed(9))]
+    else:
+        slots = [t % num_adapters for t in range(max(8, 2 * num_adapters))] + [-1]
+    case = make_case(slots, ranks, 32, widths)
+    assert case.meta.num_segments == num_adapters
+    check_backend(backend, case)
+
+
+def test_a_corrupted_page_index_is_caught(backend: str) -> None:
+    """Point one rank-row of slot 2 (slice v) at a row of slot 0: every backend's output must then
+    differ from the reference on slot 2's tokens (and only there), so a wrong index cannot pass."""
+    case = make_case(MIXED_SLOTS, MIXED_RANKS, 48, QKV_WIDTHS)
+    w = case.weights
+    want = reference(case)
+    victim, donor, j = 2, 0, 2
+    w.pages[j, victim, 5] = w.pages[j, donor, 0]  # slot 2 has rank 16 in v, slot 0 rank 1
+    w.invalidate(victim)
+    y = BACKENDS[backend](case).float()
+    rows = torch.tensor([s == victim for s in case.slots])
+    v_cols = slice(48, 72)
+    assert not torch.allclose(y[rows, v_cols], want[rows, v_cols], atol=1e-2)
+    torch.testing.assert_close(y[~rows], want[~rows], **TOL[torch.float32])
+    torch.testing.assert_close(y[:, :48], want[:, :48], **TOL[torch.float32])
+
+
+# --- the native CPU kernel (lp_lora_add) ---
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "slots",
+    [
+        [int(s) for s in torch.randperm(72, generator=torch.Generator().manual_seed(3)) % 9 - 1],
+        [s for s in range(8) for _ in range(8)],  # grouped: full tiles of 8
+        [3, 5, -1, 7, 3] + [0] * 203,  # a long run: tiles of 8 and a partial one
+        [6, 6, 1, -1, 1, 6],
+        [-1, -1, -1],  # base only: nothing to do
+    ],
+)
+@pytest.mark.parametrize("widths", [[96, 32, 32], [200], [64, 70]])
+def test_add_lora_native_matches_reference(slots: list[int], widths: list[int]) -> None:
+    # ranks up to 64 (the kernel has no rank limit of its own; the dispatcher has one), a rank-0
+    # (empty) slot; widths that are and are not multiples of the kernel's 64-column panel
+    ranks = [8, 16, 4, 64, 8, 32, 0, 8]
+    case = make_case(slots, ranks, 96, widths, max_num_tokens=256)
+    y = check_backend("native", case)
+    untouched = [t for t, s in enumerate(slots) if s < 0 or ranks[s] == 0]
+    assert torch.equal(y[untouched], case.y0[untouched])
+
+
+def native_rejects(case: Case) -> None:
+    y = case.y0.clone()
+    with pytest.raises(RuntimeError, match="lp_lora_add rejected"):
+        add_lora_native(y, case.x, case.weights, case.meta)
+    assert torch.equal(y, case.y0)  # checked before anything is written
+
+
+@needs_native
+def test_add_lora_native_rejects_a_slot_beyond_max_loras() -> None:
+    case = make_case([0, 1], [4, 8], 32, [16])
+    case.meta.token_slots[1] = 5  # only 2 slots
+    native_rejects(case)
+
+
+@needs_native
+@pytest.mark.parametrize("page", [-1, "pool_rows", 2**31 - 1])
+def test_add_lora_native_rejects_a_page_outside_its_pool(page: int | str) -> None:
+    case = make_case([0, 1, 0], [[4, 8], [4, 8]], 32, [16, 8])
+    w = case.weights
+    w.pages[1, 1, 7] = w.num_pages[1] if page == "pool_rows" else page  # the last rank-row
+    native_rejects(case)
+
+
+@needs_native
+def test_add_lora_native_rejects_a_rank_above_max_rank() -> None:
+    case = make_case([0, 1], [4, 8], 32, [16])
+    case.weights.ranks[0, 0] = 9
+    native_rejects(case)
+    case.weights.ranks[0, 0] = -1
+    native_rejects(case)
+
+
+@needs_native
+def test_add_lora_native_checks_only_the_slots_it_uses() -> None:
+    case = make_case([0, 0, -1], [4, 8], 32, [16])
+    case.weights.pages[0, 1, 0] = -5  # slot 1 is not in this batch
+    check_backend("native", case)
+
+
+@needs_native
+def test_native_fits_and_its_cache() -> None:
+    case = make_case([0, 1, 0], [4, 8], 32, [16, 8])
+    w, x, y = case.weights, case.x, case.y0
+    assert native_fits(y, x, w)
+    assert not native_fits(y, x.double(), w)
+    assert not native_fits(y.t().contiguous().t(), x, w)  # column stride != 1
+    assert not native_fits(y, x[0], w)
+    half = make_case([0], [4], 32, [16], torch.bfloat16)
+    assert not native_fits(half.y0, half.x, half.weights)
+    with pytest.raises(ValueError, match="native LoRA kernel needs"):
+        add_lora_native(half.y0, half.x, half.weights, half.meta)
+
+    check_backend("native", case)
+    args = w.caches["native"]
+    w.invalidate(0)  # pointers never move: the args stay
+    assert w.caches["native"] is args
+    # A rewritten slot (new rows at new pages, another rank) is read at the next call.
+    spare = [p for p in range(w.num_pages[0]) if p not in w.pages[0, :, :8].flatten().tolist()]
+    w.pages[0, 1, :2] = torch.tensor(spare[:2], dtype=torch.int32)
+    w.lora_a[0][spare[:2]] = torch.randn(2, 32)
+    w.lora_b[0][spare[:2]] = torch.randn(2, 16)
+    w.ranks[0, 1] = 2
+    w.invalidate(1)
+    check_backend("native", case)
+
+
+@needs_native
+def test_native_dispatch_sends_big_runs_and_high_ranks_to_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    calls: list[str] = []
+    monkeypatch.setattr(lora_ops, "add_lora_native", lambda *a: calls.append("native"))
+    monkeypatch.setattr(lora_ops, "add_lora_torch", lambda *a: calls.append("torch"))
+    many = [s for s in range(4) for _ in range(3)]  # 4 runs: more than LOOP_MAX_SEGMENTS
+    for slots, ranks, expect in [
+        (many, [8, 8, 8, 8], "native"),
+        (many, [8, 8, 64, 8], "torch"),  # a rank above NATIVE_MAX_RANK
+        ([0] * 12, [8], "torch"),  # one run: a GEMM in place
+    ]:
+        case = make_case(slots, ranks, 32, [16, 8])
+        calls.clear()
+        add_lora(case.y0.clone(), case.x, case.weights, case.meta, backend="native")
+        assert calls == [expect], (slots, ranks)
+
+
+# --- the production CPU path (torch) against the reference loop; larger shapes are fine here ---
 
 
 @pytest.mark.parametrize(
@@ -259,29 +486,24 @@ def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch: pytest.Monkey
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_add_lora_torch_matches_naive(
+def test_add_lora_torch_matches_reference(
     slots: list[int] | torch.Tensor, num_groups: int, row_start: int | None, dtype: torch.dtype
 ) -> None:
-    slots = [int(s) for s in slots]
+    slot_list = [int(s) for s in slots]
     ranks = [8, 16, 4, 64, 8, 32, 12, 8]
-    case = make_case(slots, ranks, 64, 96, [96, 32, 32], dtype, max_num_tokens=256)
+    case = make_case(slot_list, ranks, 96, [96, 32, 32], dtype, max_num_tokens=256)
     groups = case.meta.torch_plan().groups
     assert (len(groups), groups[0].row_start) == (num_groups, row_start)
     if num_groups == 2:
         assert groups[1].row_start == 5  # the prefill chunk: a slice of the batch
-    y = case.y0.clone()
-    add_lora_torch(y, case.x, case.weights, case.meta)
-    torch.testing.assert_close(y.float(), naive_add_lora(case), **TOL[dtype])
+    check_backend("torch", case)
 
 
-def test_add_lora_on_cpu_matches_naive_whichever_path_it_takes(
+def test_add_lora_on_cpu_matches_reference_whichever_path_it_takes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(BACKEND_ENV, raising=False)
-    case = make_case([1, -1, 0, 1], [4, 8], 8, 32, [16, 8])
-    y = case.y0.clone()
-    add_lora(y, case.x, case.weights, case.meta)  # no TRITON_INTERPRET needed: a CPU path
-    torch.testing.assert_close(y, naive_add_lora(case))
+    check_backend("add_lora", make_case([1, -1, 0, 1], [4, 8], 32, [16, 8]))
 
 
 def test_select_backend(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -299,90 +521,13 @@ def test_select_backend(monkeypatch: pytest.MonkeyPatch) -> None:
         select_backend(torch.device("cpu"))
 
 
-# --- the native CPU kernel (lp_lora_add) against the naive loop ---
-
-
-needs_native = pytest.mark.skipif(
-    native.library() is None and not os.environ.get("CI"),
-    reason="loraplex's native CPU kernels are not built here (no C compiler)",
-)
-
-
-@needs_native
-@pytest.mark.parametrize(
-    "slots",
-    [
-        [int(s) for s in torch.randperm(72, generator=torch.Generator().manual_seed(3)) % 9 - 1],
-        [s for s in range(8) for _ in range(8)],  # grouped: full tiles of 8
-        [3, 5, -1, 7, 3] + [0] * 203,  # a long run: tiles of 8 and a partial one
-        [6, 6, 1, -1, 1, 6],
-        [-1, -1, -1],  # base only: nothing to do
-    ],
-)
-@pytest.mark.parametrize("widths", [[96, 32, 32], [200], [64, 70]])
-def test_add_lora_native_matches_naive(slots: list[int], widths: list[int]) -> None:
-    # ranks up to 64 (the kernel has no rank limit of its own; the dispatcher has one) and a
-    # rank-0 (empty) slot; widths that are and are not multiples of the kernel's 64-column panel
-    ranks = [8, 16, 4, 64, 8, 32, 0, 8]
-    case = make_case(slots, ranks, 64, 96, widths, max_num_tokens=256)
-    y = case.y0.clone()
-    add_lora_native(y, case.x, case.weights, case.meta)
-    torch.testing.assert_close(y, naive_add_lora(case), **TOL[torch.float32])
-    base = [t for t, s in enumerate(slots) if s < 0 or ranks[s] == 0]
-    assert torch.equal(y[base], case.y0[base])  # base-model and empty-slot rows untouched
-
-
-@needs_native
-def test_add_lora_native_rejects_a_slot_beyond_the_stacks() -> None:
-    case = make_case([0, 1], [4, 8], 8, 32, [16])
-    case.meta.token_slots[1] = 5  # only 2 slots allocated
-    with pytest.raises(RuntimeError, match="lp_lora_add rejected"):
-        add_lora_native(case.y0.clone(), case.x, case.weights, case.meta)
-
-
-@needs_native
-def test_native_dispatch_sends_big_runs_and_high_ranks_to_torch(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv(BACKEND_ENV, raising=False)
-    calls: list[str] = []
-    monkeypatch.setattr(lora_ops, "add_lora_native", lambda *a: calls.append("native"))
-    monkeypatch.setattr(lora_ops, "add_lora_torch", lambda *a: calls.append("torch"))
-    many = [s for s in range(4) for _ in range(3)]  # 4 runs: more than LOOP_MAX_SEGMENTS
-    for slots, ranks, expect in [
-        (many, [8, 8, 8, 8], "native"),
-        (many, [8, 8, 64, 8], "torch"),  # a rank above NATIVE_MAX_RANK
-        ([0] * 12, [8], "torch"),  # one run: a GEMM in place
-    ]:
-        case = make_case(slots, ranks, 64, 32, [16, 8])
-        calls.clear()
-        add_lora(case.y0.clone(), case.x, case.weights, case.meta, backend="native")
-        assert calls == [expect], (slots, ranks)
-
-
-def test_layer_weights_validate_shapes() -> None:
-    gen = torch.Generator().manual_seed(0)
-    w = make_weights([4, 8], 8, 16, [16, 8], torch.float32, gen)
-    with pytest.raises(ValueError, match="one entry per slice"):
-        LoRALayerWeights(w.lora_a, w.lora_b, (0,), w.ranks, w.scales)
-    with pytest.raises(ValueError, match="slice 1"):
-        LoRALayerWeights(
-            w.lora_a, (w.lora_b[0], w.lora_b[1][:, :4].contiguous()), (0, 16), w.ranks, w.scales
-        )
-
-
 @pytest.mark.parametrize("grouped", [False, True])
 def test_add_lora_torch_slices_with_gaps(grouped: bool) -> None:
     """Slices that do not tile y (a gap, spare columns) take the per-slice scatter."""
     slots = [0, 0, 1, 1, 2, 2] if grouped else [2, -1, 0, 1, 0, 2, 1]
-    case = make_case(slots, [4, 8, 16], 16, 40, [24, 16])
-    w = case.weights
-    case.weights = LoRALayerWeights(w.lora_a, w.lora_b, (8, 40), w.ranks, w.scales)
-    case.y0 = torch.randn(len(slots), 64)
+    case = make_case(slots, [4, 8, 16], 40, [24, 16], offsets=(8, 40), out_features=64)
     assert (case.meta.torch_plan().groups[0].row_start == 0) == grouped
-    y = case.y0.clone()
-    add_lora_torch(y, case.x, case.weights, case.meta)
-    torch.testing.assert_close(y, naive_add_lora(case))
+    check_backend("torch", case)
 
 
 # --- the per-segment path (rows grouped by slot, as the runner orders them) and its cache ---
@@ -402,66 +547,63 @@ def grouped(counts: list[int], base: int = 0) -> list[int]:
         (grouped([1, 0, 3]), [8, 4, 16], [40]),  # one slice
         (grouped([2, 2], base=2)[::-1], [4, 8], QKV_WIDTHS),  # runs in reverse slot order
         (grouped([0, 4, 3], base=1), [8, 0, 4], QKV_WIDTHS),  # a rank-0 slot: nothing added
+        (grouped([2, 3]), [[8, 4], [0, 4], [8, 0]], QKV_WIDTHS),  # per-slice rank 0
         # more segments: the padded path, its pad rows dropped before adding to y
         (grouped([3, 5, 1, 0, 4], base=3), [8, 16, 4, 8, 0], QKV_WIDTHS),
         (grouped([3, 1, 40, 2], base=1), [8, 16, 4, 8], QKV_WIDTHS),  # a prefill's own group
+        (grouped([2, 1, 3], base=1), [[8, 4, 2], [0, 4, 16], [8, 0, 2]], QKV_WIDTHS),
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_runs_match_naive(
-    slots: list[int], ranks: list[int], widths: list[int], dtype: torch.dtype
+def test_row_runs_match_reference(
+    slots: list[int], ranks: list[int] | list[list[int]], widths: list[int], dtype: torch.dtype
 ) -> None:
-    case = make_case(slots, ranks, 32, 48, widths, dtype, max_num_tokens=128)
+    case = make_case(slots, ranks, 48, widths, dtype, max_num_tokens=128)
     assert case.meta.row_runs is not None  # every segment is a run of rows
-    y = case.y0.clone()
-    add_lora_torch(y, case.x, case.weights, case.meta)
-    torch.testing.assert_close(y.float(), naive_add_lora(case), **TOL[dtype])
-    base = case.slots < 0
-    assert torch.equal(y[base], case.y0[base])  # base-model rows untouched
+    check_backend("torch", case)
 
 
 @pytest.mark.parametrize("counts", [[2, 3], [2, 3, 1]])
 def test_row_runs_with_slices_that_do_not_tile(counts: list[int]) -> None:
-    case = make_case(grouped(counts, base=1), [4, 8, 16], 16, 40, [24, 16])
-    w = case.weights
-    case.weights = LoRALayerWeights(w.lora_a, w.lora_b, (8, 40), w.ranks, w.scales)
-    case.y0 = torch.randn(len(case.slots), 64)
-    y = case.y0.clone()
-    add_lora_torch(y, case.x, case.weights, case.meta)
-    torch.testing.assert_close(y, naive_add_lora(case))
+    case = make_case(
+        grouped(counts, base=1), [4, 8, 16], 40, [24, 16], offsets=(8, 40), out_features=64
+    )
+    check_backend("torch", case)
 
 
 def test_many_segments_take_the_padded_path() -> None:
     counts = [1 + s % 3 for s in range(LOOP_MAX_SEGMENTS + 4)]
     ranks = [4 + 4 * (s % 3) for s in range(len(counts))]
-    case = make_case(grouped(counts, base=2), ranks, 16, 32, QKV_WIDTHS, max_num_tokens=64)
+    case = make_case(grouped(counts, base=2), ranks, 32, QKV_WIDTHS, max_num_tokens=64)
     assert case.meta.num_segments > LOOP_MAX_SEGMENTS
-    y = case.y0.clone()
-    add_lora_torch(y, case.x, case.weights, case.meta)
-    torch.testing.assert_close(y, naive_add_lora(case))
+    check_backend("torch", case)
 
 
-def rewrite_slot(w: LoRALayerWeights, slot: int, rank: int, seed: int) -> None:
-    """New random weights (and rank) in ``slot``, written straight into the stacks."""
+def rewrite_slot(case: Case, slot: int, rank: int, seed: int) -> None:
+    """New rows for ``slot`` at ``rank`` in every slice, at pages no other slot uses (the
+    garbage rows), written straight into the pool and the page index."""
+    w = case.weights
     gen = torch.Generator().manual_seed(seed)
-    for a, b in zip(w.lora_a, w.lora_b, strict=True):
-        a[slot].zero_()
-        b[slot].zero_()
-        a[slot, :rank] = torch.randn(rank, a.shape[2], generator=gen)
-        b[slot, :rank] = torch.randn(rank, b.shape[2], generator=gen)
-    w.ranks[slot] = rank
+    for j, (a, b) in enumerate(zip(w.lora_a, w.lora_b, strict=True)):
+        live = {p for s in range(w.max_loras) for p in w.slot_rows(j, s).tolist()}
+        free = [p for p in range(a.shape[0]) if p not in live][:rank]
+        assert len(free) == rank
+        rows = torch.tensor(free)
+        a[rows] = torch.randn(rank, a.shape[1], generator=gen).to(a.dtype)
+        b[rows] = torch.randn(rank, b.shape[1], generator=gen).to(b.dtype)
+        w.pages[j, slot, :rank] = rows.to(torch.int32)
+        w.ranks[j, slot] = rank
 
 
 @pytest.mark.parametrize("shuffled", [False, True])
 def test_prepared_weights_are_reused_until_invalidated(shuffled: bool) -> None:
-    """The torch path prepares weights once per slot (per group when shuffled) and reuses
-    them; ``invalidate(slot)`` drops that slot's, and only that slot's, prepared weights."""
+    """The torch path gathers rows once per slot (per group when shuffled) and reuses them;
+    ``invalidate(slot)`` drops that slot's, and only that slot's, prepared rows."""
     slots = [2, 0, 1, 0, 2, 1, -1, 0] if shuffled else grouped([3, 2], base=1)
-    case = make_case(slots, [8, 4, 12], 16, 32, QKV_WIDTHS)
-    w, cache = case.weights, case.weights.cache
-    y = case.y0.clone()
-    add_lora_torch(y, case.x, w, case.meta)
-    torch.testing.assert_close(y, naive_add_lora(case))
+    case = make_case(slots, [8, 4, 12], 32, QKV_WIDTHS, max_rank=16)
+    w = case.weights
+    y = check_backend("torch", case)
+    cache = TorchLoRACache.of(w)
     if shuffled:
         (group,) = case.meta.torch_plan().groups
         form = cache.group_form(group.slots)
@@ -471,11 +613,10 @@ def test_prepared_weights_are_reused_until_invalidated(shuffled: bool) -> None:
         forms = [cache.slot_form(s) for s in range(3)]
         assert all(cache.slot_form(s) is forms[s] for s in range(3))
 
-    # Writing the stacks without invalidate: the torch path still uses what it prepared.
-    rewrite_slot(w, 1, 16, seed=7)
-    y_stale = case.y0.clone()
-    add_lora_torch(y_stale, case.x, w, case.meta)
-    torch.testing.assert_close(y_stale, y)
+    # Writing the pool and the index without invalidate: the torch path still uses what it
+    # prepared.
+    rewrite_slot(case, 1, 16, seed=7)
+    torch.testing.assert_close(run_torch(case), y)
 
     version = cache.version
     w.invalidate(1)
@@ -486,15 +627,13 @@ def test_prepared_weights_are_reused_until_invalidated(shuffled: bool) -> None:
     else:
         assert cache.slot_form(0) is forms[0] and cache.slot_form(2) is forms[2]
         assert cache.slot_form(1) is not forms[1]
-    y_new = case.y0.clone()
-    add_lora_torch(y_new, case.x, w, case.meta)
-    torch.testing.assert_close(y_new, naive_add_lora(case))  # naive reads the new slot 1
+    y_new = check_backend("torch", case)  # the reference reads the new slot 1
     assert not torch.allclose(y_new, y)
 
 
 def test_group_cache_is_bounded() -> None:
-    case = make_case([0, 1, 0, 2, 3, 1], [4, 4, 4, 4], 8, 16, [16])
-    cache = case.weights.cache
+    case = make_case([0, 1, 0, 2, 3, 1], [4, 4, 4, 4], 16, [16])
+    cache = TorchLoRACache.of(case.weights)
     for key in [(0, 1), (1, 2), (2, 3), (0, 3)]:
         cache.group_form(key)
     assert len(cache._groups) == GROUP_CACHE_SIZE

@@ -69,12 +69,27 @@ SCENARIOS = {
         max_loras=2, max_num_batched_tokens=9, block_size=4, num_blocks=20, max_model_len=64
     ),
 }
+# Scenarios whose device pool holds 64 pages per module: the rank-64 adapter fills k_proj and
+# up_proj, so it and a8 (which targets every module) evict each other.
+SMALL_POOL = ("swapping", "chunked-preempt")
+POOL_PAGES = 64
+
+
+def pool_bytes(model_dir: str, pages: int) -> int:
+    """``lora_memory`` for a pool of ``pages`` pages per module on this model."""
+    llm = LLM(model_dir, max_model_len=64, dtype="float32")
+    mgr = llm.llm_engine.core.runner.lora
+    assert mgr is not None and mgr.geometry is not None
+    return pages * sum(mgr.geometry.page_bytes.values())
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_mixed_batch_matches_peft(setup, scenario: str) -> None:  # type: ignore[no-untyped-def]
     model_dir, adapters, names, prompts, max_tokens, ref = setup
-    llm = LLM(model_dir, **{"max_model_len": 128, "dtype": "float32", **SCENARIOS[scenario]})  # type: ignore[arg-type]
+    knobs = {"max_model_len": 128, "dtype": "float32", **SCENARIOS[scenario]}
+    if scenario in SMALL_POOL:
+        knobs["lora_memory"] = pool_bytes(model_dir, POOL_PAGES)
+    llm = LLM(model_dir, **knobs)  # type: ignore[arg-type]
     loras = [None if n is None else LoRARequest(n, adapters[n]) for n in names]
     params = [
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=TOP)
@@ -86,9 +101,12 @@ def test_mixed_batch_matches_peft(setup, scenario: str) -> None:  # type: ignore
     assert diverged <= 2, f"{diverged} of {len(names)} sequences diverged within float noise"
     stats = llm.engine_stats()
     if scenario != "all-slots":
-        # 4 adapters through 2 slots: slots were reloaded with other adapters between steps
+        # 4 adapters through 2 slots and a pool too small for all of them: adapters were
+        # evicted from the pool and loaded again, and no step waited for a copy
         assert stats.lora.slot_loads >= len(ADAPTERS) > SCENARIOS[scenario]["max_loras"], stats
         assert stats.lora.slot_evictions > 0, stats
+        assert stats.lora.load_waits == 0, stats
+        assert stats.lora.pool_pages == POOL_PAGES * 7, stats
     tiers = stats.lora.residency
     assert len(tiers) == len(ADAPTERS) and set(tiers.values()) <= {"device", "host", "disk"}
     assert sum(t == "device" for t in tiers.values()) == stats.lora.resident_device, stats

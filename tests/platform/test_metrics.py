@@ -249,6 +249,76 @@ async def test_engine_counters_survive_an_engine_restart(
     assert value(await scrape(api), "loraplex_preemptions_total") == 8
 
 
+POOL_STATS: dict[str, Any] = {
+    "lora_slot_loads": 9,
+    "lora_load_waits": 1,
+    "lora_loads_deferred": 4,
+    "lora_load_bytes": 3_000_000,
+    "lora_loads_in_flight": 2,
+    "lora_pool_pages": 1000,
+    "lora_pool_pages_used": 250,
+    "lora_pool_bytes": 8_000_000,
+    "lora_pool_bytes_used": 2_000_000,
+    "lora_adapter_bytes": 1_800_000,
+    "engine_restarts": 0,
+}
+
+
+async def test_the_adapter_pool_at_scrape_time(
+    api: httpx.AsyncClient, fake: FakeEngineClient
+) -> None:
+    fake.engine_stats = dict(POOL_STATS)
+    m = await scrape(api)
+    assert value(m, "loraplex_adapter_pool_pages", state="used") == 250
+    assert value(m, "loraplex_adapter_pool_pages", state="free") == 750
+    assert value(m, "loraplex_adapter_pool_bytes", state="used") == 2_000_000
+    assert value(m, "loraplex_adapter_pool_bytes", state="free") == 6_000_000
+    assert value(m, "loraplex_adapter_weight_bytes") == 1_800_000
+    assert value(m, "loraplex_adapter_loads_in_flight") == 2
+    assert value(m, "loraplex_adapter_load_waits_total") == 1
+    assert value(m, "loraplex_adapter_loads_deferred_total") == 4
+    assert value(m, "loraplex_adapter_load_bytes_total") == 3_000_000
+    assert value(m, "loraplex_adapter_loads_total", tier="device") == 9
+
+    # The engine restarted with an empty pool: the counters go on, the gauges are the new ones.
+    fake.engine_stats = {
+        **POOL_STATS,
+        "lora_slot_loads": 1,
+        "lora_load_waits": 0,
+        "lora_loads_deferred": 1,
+        "lora_load_bytes": 500_000,
+        "lora_loads_in_flight": 0,
+        "lora_pool_pages_used": 0,
+        "lora_pool_bytes_used": 0,
+        "lora_adapter_bytes": 0,
+        "engine_restarts": 1,
+    }
+    m = await scrape(api)
+    assert value(m, "loraplex_adapter_load_waits_total") == 1
+    assert value(m, "loraplex_adapter_loads_deferred_total") == 5
+    assert value(m, "loraplex_adapter_load_bytes_total") == 3_500_000
+    assert value(m, "loraplex_adapter_loads_total", tier="device") == 10
+    assert value(m, "loraplex_adapter_pool_pages", state="free") == 1000
+    assert value(m, "loraplex_adapter_pool_bytes", state="used") == 0
+    assert value(m, "loraplex_adapter_weight_bytes") == 0
+
+    fake.alive = False  # no answer: the pool's gauges go, its counters stay
+    m = await scrape(api)
+    assert value(m, "loraplex_adapter_load_bytes_total") == 3_500_000
+    gone = {"loraplex_adapter_pool_pages", "loraplex_adapter_pool_bytes"}
+    gone |= {"loraplex_adapter_weight_bytes", "loraplex_adapter_loads_in_flight"}
+    assert not [name for name, _ in m if name in gone]
+
+
+async def test_an_engine_without_adapters_has_no_pool_series(
+    api: httpx.AsyncClient, fake: FakeEngineClient
+) -> None:
+    fake.engine_stats = {"num_running": 1}  # LoRA off: no LoRAStats at all
+    m = await scrape(api)
+    assert value(m, "loraplex_requests_running") == 1
+    assert not [name for name, _ in m if name.startswith("loraplex_adapter")]
+
+
 async def test_a_dead_or_hung_engine_still_gets_scraped(
     fake: FakeEngineClient, tokenizer: Any
 ) -> None:

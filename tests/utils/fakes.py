@@ -207,18 +207,8 @@ class FakeEngineClient(EngineClient):
         return stats_from_flat(self.engine_stats)
 
 
-_LORA_KEYS = {
-    "lora_disk_loads": "disk_loads",
-    "lora_host_hits": "host_hits",
-    "lora_host_evictions": "host_evictions",
-    "lora_slot_loads": "slot_loads",
-    "lora_slot_hits": "slot_hits",
-    "lora_slot_evictions": "slot_evictions",
-    "lora_resident_device": "resident_device",
-    "lora_resident_host": "resident_host",
-    "lora_registered": "registered",
-    "lora_residency": "residency",
-}
+# lora_<field> -> LoRAStats field: every field, so a new one is scriptable at once
+_LORA_KEYS = {f"lora_{f.name}": f.name for f in dataclasses.fields(LoRAStats)}
 
 
 def stats_from_flat(flat: dict[str, Any]) -> EngineStats:

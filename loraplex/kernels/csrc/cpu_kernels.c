@@ -230,13 +230,23 @@ int lp_paged_decode_attention(const float *q, int64_t q_row_stride, const int64_
     return failed ? -1 : 0;
 }
 
-/* Batched multi-LoRA on a flat batch, every token with its own adapter slot (-1: none):
+/* Batched multi-LoRA over a page pool, on a flat batch, every token with its own adapter slot
+ * (-1: none):
  *
- *   y[t, off_j : off_j + n_j] += scales[s] * (x[t] @ A_j[s, :r].T) @ B_j[s, :r]     s = slots[t]
+ *   y[t, off_j : off_j + n_j] += (x[t] @ A.T) @ B       s = slots[t], r = ranks[j, s],
+ *   A = a_pools[j][pages[j, s, :r]]  [r, in]            B = b_pools[j][pages[j, s, :r]]  [r, n_j]
  *
- * for every slice j (one for a plain projection, 3 for q|k|v, 2 for gate|up), r = ranks[s].
+ * for every slice j (one for a plain projection, 3 for q|k|v, 2 for gate|up), each at the slot's
+ * own rank in that slice (0: nothing to add). PEFT scaling is folded into B.
  * x [T, in] rows x_stride apart; y [T, *] rows y_stride apart.
- * a_stacks[j] [max_loras, max_rank, in] and b_stacks[j] [max_loras, max_rank, n_j], contiguous.
+ * a_pools[j] [pool_rows[j], in] and b_pools[j] [pool_rows[j], n_j], contiguous: one page is one
+ * rank-row, anywhere in its pool. pages [num_slices, max_loras, max_rank] int32, element
+ * (j, s, k) at j * p_slice_stride + s * p_slot_stride + k; ranks [num_slices, max_loras] int32,
+ * element (j, s) at j * r_slice_stride + s.
+ *
+ * Before anything is written, every slot the batch uses is checked: -1 (y untouched) for a slot
+ * >= max_loras, a rank outside [0, max_rank] or a page below the rank outside its pool. Pages at
+ * k >= rank are never read.
  * Runs of up to LP_LORA_TILE consecutive tokens of one slot form a tile, so that each row of A
  * and B is read once per tile (from L1) rather than once per token; tiles are split between
  * threads. Base-model tokens are never read or written.
@@ -244,13 +254,13 @@ int lp_paged_decode_attention(const float *q, int64_t q_row_stride, const int64_
 #define LP_LORA_TILE 8
 #define LP_COLS 64 /* output columns kept in registers while the rank rows are summed */
 
-/* h[u][i] = scale * A[i] . x_u for the tile's m tokens: four tokens per pass over a row of A,
- * four independent accumulator chains. */
-static void lp_lora_shrink_tile(const float *a, int64_t r, int64_t k, const float *x,
-                                int64_t x_stride, int64_t m, float scale,
+/* h[u][i] = A[i] . x_u for the tile's m tokens, A[i] = pool row pg[i]: four tokens per pass over
+ * a row of A, four independent accumulator chains. */
+static void lp_lora_shrink_tile(const float *a_pool, const int32_t *pg, int64_t r, int64_t k,
+                                const float *x, int64_t x_stride, int64_t m,
                                 float h[LP_LORA_TILE][LP_MAX_RANK]) {
     for (int64_t i = 0; i < r; i++) {
-        const float *ai = a + i * k;
+        const float *ai = a_pool + (int64_t)pg[i] * k;
         int64_t u = 0;
         for (; u + 4 <= m; u += 4) {
             const float *x0 = x + u * x_stride, *x1 = x0 + x_stride, *x2 = x1 + x_stride,
@@ -263,81 +273,121 @@ static void lp_lora_shrink_tile(const float *a, int64_t r, int64_t k, const floa
                 s2 += ai[c] * x2[c];
                 s3 += ai[c] * x3[c];
             }
-            h[u][i] = scale * s0;
-            h[u + 1][i] = scale * s1;
-            h[u + 2][i] = scale * s2;
-            h[u + 3][i] = scale * s3;
+            h[u][i] = s0;
+            h[u + 1][i] = s1;
+            h[u + 2][i] = s2;
+            h[u + 3][i] = s3;
         }
-        for (; u < m; u++) h[u][i] = scale * lp_dot(ai, x + u * x_stride, k);
+        for (; u < m; u++) h[u][i] = lp_dot(ai, x + u * x_stride, k);
     }
 }
 
-/* y_u[c] += sum_i h[u][i] * B[i][c]: LP_COLS columns at a time, accumulated in registers over
- * the rank rows (y read and written once), the B panel reused from L1 by the tile's tokens. */
-static void lp_lora_expand_tile(const float *b, int64_t r, int64_t n, float *y, int64_t y_stride,
-                                int64_t m, float h[LP_LORA_TILE][LP_MAX_RANK]) {
+/* y_u[c] += sum_i h[u][i] * B[i][c], B[i] = pool row pg[i]: LP_COLS columns at a time,
+ * accumulated in vector registers over the rank rows (y read and written once), the B panel
+ * reused from L1 by the tile's tokens. Explicit vectors: with the rows read through pg, GCC 12
+ * no longer keeps a plain float accumulator array in registers (6-10x slower at rank 8). */
+#define LP_COL_VECS (LP_COLS / LP_VL)
+static void lp_lora_expand_tile(const float *b_pool, const int32_t *pg, int64_t r, int64_t n,
+                                float *y, int64_t y_stride, int64_t m,
+                                float h[LP_LORA_TILE][LP_MAX_RANK]) {
     int64_t c0 = 0;
     for (; c0 + LP_COLS <= n; c0 += LP_COLS) {
         for (int64_t u = 0; u < m; u++) {
-            float acc[LP_COLS];
             float *yu = y + u * y_stride + c0;
-#pragma omp simd
-            for (int64_t c = 0; c < LP_COLS; c++) acc[c] = yu[c];
+            lp_vf acc[LP_COL_VECS];
+            for (int q = 0; q < LP_COL_VECS; q++) acc[q] = lp_ld(yu + q * LP_VL);
             for (int64_t i = 0; i < r; i++) {
-                const float hi = h[u][i];
-                const float *bi = b + i * n + c0;
-#pragma omp simd
-                for (int64_t c = 0; c < LP_COLS; c++) acc[c] += hi * bi[c];
+                const lp_vf hi = (lp_vf){0} + h[u][i];
+                const float *bi = b_pool + (int64_t)pg[i] * n + c0;
+                for (int q = 0; q < LP_COL_VECS; q++) acc[q] += hi * lp_ld(bi + q * LP_VL);
             }
-#pragma omp simd
-            for (int64_t c = 0; c < LP_COLS; c++) yu[c] = acc[c];
+            for (int q = 0; q < LP_COL_VECS; q++) lp_st(yu + q * LP_VL, acc[q]);
         }
     }
     if (c0 < n) {
         for (int64_t u = 0; u < m; u++)
-            for (int64_t i = 0; i < r; i++)
-                lp_axpy(y + u * y_stride + c0, h[u][i], b + i * n + c0, n - c0);
+            for (int64_t i = 0; i < r; i++) {
+                const float *bi = b_pool + (int64_t)pg[i] * n + c0;
+                lp_axpy(y + u * y_stride + c0, h[u][i], bi, n - c0);
+            }
     }
+}
+
+/* 1: slot s adds something, 0: rank 0 in every slice, -1: a rank or a page out of range. */
+static int lp_lora_check_slot(int32_t s, int64_t max_rank, const int32_t *pages,
+                              int64_t p_slice_stride, int64_t p_slot_stride, const int32_t *ranks,
+                              int64_t r_slice_stride, int64_t num_slices,
+                              const int64_t *pool_rows) {
+    int live = 0;
+    for (int64_t j = 0; j < num_slices; j++) {
+        const int32_t r = ranks[j * r_slice_stride + s];
+        if (r < 0 || r > max_rank) return -1;
+        const int32_t *pg = pages + j * p_slice_stride + s * p_slot_stride;
+        for (int32_t i = 0; i < r; i++)
+            if (pg[i] < 0 || pg[i] >= pool_rows[j]) return -1;
+        live |= r > 0;
+    }
+    return live;
 }
 
 int lp_lora_add(float *y, int64_t y_stride, const float *x, int64_t x_stride, int64_t num_tokens,
                 int64_t in_features, const int32_t *slots, int64_t max_loras, int64_t max_rank,
-                const int32_t *ranks, const float *scales, int64_t num_slices,
-                const float *const *a_stacks, const float *const *b_stacks, const int64_t *widths,
-                const int64_t *offsets, int num_threads) {
-    if (max_rank > LP_MAX_RANK || num_tokens <= 0) return max_rank > LP_MAX_RANK ? -1 : 0;
+                const int32_t *pages, int64_t p_slice_stride, int64_t p_slot_stride,
+                const int32_t *ranks, int64_t r_slice_stride, int64_t num_slices,
+                const float *const *a_pools, const float *const *b_pools,
+                const int64_t *pool_rows, const int64_t *widths, const int64_t *offsets,
+                int num_threads) {
+    if (max_rank > LP_MAX_RANK || max_rank < 0 || max_loras <= 0) return -1;
+    if (num_tokens <= 0) return 0;
     int64_t *tiles = (int64_t *)malloc(sizeof(int64_t) * (size_t)num_tokens); /* tile starts */
-    if (tiles == NULL) return -1;
+    /* per slot: 0 unchecked, 1 adds something, 2 rank 0 in every slice */
+    int8_t *state = (int8_t *)calloc((size_t)max_loras, 1);
+    if (tiles == NULL || state == NULL) {
+        free(tiles);
+        free(state);
+        return -1;
+    }
     int64_t num_tiles = 0;
     for (int64_t t = 0; t < num_tokens;) {
         const int32_t s = slots[t];
-        if (s >= max_loras) {
-            free(tiles);
-            return -1;
-        }
+        if (s >= max_loras) goto reject;
         int64_t e = t + 1;
         while (e < num_tokens && e - t < LP_LORA_TILE && slots[e] == s) e++;
-        if (s >= 0 && ranks[s] > 0) tiles[num_tiles++] = t;
+        if (s >= 0) {
+            if (state[s] == 0) {
+                const int live = lp_lora_check_slot(s, max_rank, pages, p_slice_stride,
+                                                    p_slot_stride, ranks, r_slice_stride,
+                                                    num_slices, pool_rows);
+                if (live < 0) goto reject;
+                state[s] = live ? 1 : 2;
+            }
+            if (state[s] == 1) tiles[num_tiles++] = t;
+        }
         t = e;
     }
+    free(state);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t q = 0; q < num_tiles; q++) {
         const int64_t t0 = tiles[q];
         const int32_t s = slots[t0];
         int64_t m = 1;
         while (m < LP_LORA_TILE && t0 + m < num_tokens && slots[t0 + m] == s) m++;
-        const int64_t r = ranks[s] < max_rank ? ranks[s] : max_rank;
         float h[LP_LORA_TILE][LP_MAX_RANK];
         for (int64_t j = 0; j < num_slices; j++) {
-            const int64_t n = widths[j];
-            lp_lora_shrink_tile(a_stacks[j] + s * max_rank * in_features, r, in_features,
-                                x + t0 * x_stride, x_stride, m, scales[s], h);
-            lp_lora_expand_tile(b_stacks[j] + s * max_rank * n, r, n, y + t0 * y_stride + offsets[j],
+            const int64_t r = ranks[j * r_slice_stride + s];
+            if (r == 0) continue;
+            const int32_t *pg = pages + j * p_slice_stride + s * p_slot_stride;
+            lp_lora_shrink_tile(a_pools[j], pg, r, in_features, x + t0 * x_stride, x_stride, m, h);
+            lp_lora_expand_tile(b_pools[j], pg, r, widths[j], y + t0 * y_stride + offsets[j],
                                 y_stride, m, h);
         }
     }
     free(tiles);
     return 0;
+reject:
+    free(tiles);
+    free(state);
+    return -1;
 }
 
 /* ---- elementwise kernels of the decoder layer ---------------------------------------------- */

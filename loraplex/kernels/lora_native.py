@@ -1,0 +1,138 @@
+"""The native CPU LoRA backend: ``lp_lora_add`` (``csrc/cpu_kernels.c``) over the page pool.
+
+One call per layer for all of the step's tokens, each at its own slot and, per slice, its own
+rank, A and B rows read through the page index; tiles of up to 8 consecutive tokens of one slot
+share each row read. fp32 on the CPU only (``native_fits``). The kernel checks every page the
+batch's slots name against its pool, every slot against ``max_loras`` and every rank against
+``max_rank`` before it writes anything, and fails the call (``RuntimeError``) otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.kernels import native
+from loraplex.kernels.lora_weights import LoRALayerWeights
+from loraplex.kernels.meta import LoRAKernelMeta
+
+CACHE_KEY = "native"  # in LoRALayerWeights.caches
+
+
+@dataclass(frozen=True)
+class NativeLoRAArgs:
+    """A layer's pointer arrays for ``lp_lora_add``, built once per layer: the pools and the page
+    tables are never reallocated (loads write into them), and pages and ranks are read through
+    their pointers at every call, so nothing here goes stale."""
+
+    a_ptrs: ctypes.Array[ctypes.c_void_p]  # per slice: lora_a[j] [num_pages_j, in]
+    b_ptrs: ctypes.Array[ctypes.c_void_p]  # per slice: lora_b[j] [num_pages_j, n_j]
+    pool_rows: ctypes.Array[ctypes.c_int64]  # per slice: num_pages_j
+    widths: ctypes.Array[ctypes.c_int64]
+    offsets: ctypes.Array[ctypes.c_int64]
+    pages: int  # pointer to pages [num_slices, max_loras, max_rank] int32
+    pages_strides: tuple[int, int]  # slice and slot strides (the rank stride is 1)
+    ranks: int  # pointer to ranks [num_slices, max_loras] int32
+    ranks_stride: int  # slice stride (the slot stride is 1)
+    out_end: int  # y needs at least this many columns
+
+    @classmethod
+    def of(cls, weights: LoRALayerWeights) -> NativeLoRAArgs:
+        if weights.dtype != torch.float32 or weights.device.type != "cpu":
+            raise ValueError(
+                f"the native LoRA kernel needs fp32 pools on the CPU, got {weights.dtype} on "
+                f"{weights.device}"
+            )
+        if weights.pages.stride(2) != 1 or weights.ranks.stride(1) != 1:
+            raise ValueError("the native LoRA kernel needs pages and ranks contiguous in k / slot")
+        n = weights.num_slices
+        return cls(
+            a_ptrs=(ctypes.c_void_p * n)(*(a.data_ptr() for a in weights.lora_a)),
+            b_ptrs=(ctypes.c_void_p * n)(*(b.data_ptr() for b in weights.lora_b)),
+            pool_rows=(ctypes.c_int64 * n)(*weights.num_pages),
+            widths=(ctypes.c_int64 * n)(*weights.widths),
+            offsets=(ctypes.c_int64 * n)(*weights.slice_offsets),
+            pages=weights.pages.data_ptr(),
+            pages_strides=(weights.pages.stride(0), weights.pages.stride(1)),
+            ranks=weights.ranks.data_ptr(),
+            ranks_stride=weights.ranks.stride(0),
+            out_end=max(o + w for o, w in zip(weights.slice_offsets, weights.widths, strict=True)),
+        )
+
+    def invalidate(self, slot: int | None) -> None:
+        """Nothing to drop: pool and table pointers never move, contents are read per call."""
+
+
+def native_args(weights: LoRALayerWeights) -> NativeLoRAArgs:
+    """The layer's cached ``NativeLoRAArgs`` (built on first use)."""
+    args = weights.caches.get(CACHE_KEY)
+    if not isinstance(args, NativeLoRAArgs):
+        args = NativeLoRAArgs.of(weights)
+        weights.caches[CACHE_KEY] = args
+    return args
+
+
+def native_fits(y: torch.Tensor, x: torch.Tensor, weights: LoRALayerWeights) -> bool:
+    """Whether ``add_lora_native`` takes this call: the kernels are built, x, y and the pools are
+    fp32 on the CPU, x and y 2-D with unit column stride (the pools are contiguous by
+    construction), and the page tables contiguous along their last dimension."""
+    return (
+        x.dtype == y.dtype == weights.dtype == torch.float32
+        and x.is_cpu
+        and y.is_cpu
+        and weights.device.type == "cpu"
+        and x.dim() == y.dim() == 2
+        and x.stride(1) == 1
+        and y.stride(1) == 1
+        and weights.pages.stride(2) == 1
+        and weights.ranks.stride(1) == 1
+        and native.library() is not None
+    )
+
+
+def add_lora_native(
+    y: torch.Tensor, x: torch.Tensor, weights: LoRALayerWeights, meta: LoRAKernelMeta
+) -> None:
+    """``add_lora_reference`` in one ``lp_lora_add`` call: x [T, in], y [T, out] updated in place
+    (fp32, CPU). Raises ``RuntimeError`` when the kernel rejects the page index or the slots."""
+    if not native_fits(y, x, weights):
+        raise ValueError(
+            "the native LoRA kernel needs fp32 CPU x [T, in] and y [T, out] with unit column "
+            f"stride and fp32 CPU pools (built kernels), got x {x.dtype} {tuple(x.shape)}, "
+            f"y {y.dtype} {tuple(y.shape)}, pools {weights.dtype} on {weights.device}"
+        )
+    args = native_args(weights)
+    T = meta.num_tokens
+    if x.shape[0] != T or y.shape[0] != T:
+        raise ValueError(f"x has {x.shape[0]} rows, y {y.shape[0]}, meta was prepared for {T}")
+    if weights.max_loras != meta.max_loras:
+        raise ValueError(
+            f"the page index has {weights.max_loras} slots, meta max_loras={meta.max_loras}"
+        )
+    if x.shape[1] != weights.in_features:
+        raise ValueError(f"lora_a has in_features {weights.in_features}, x has {x.shape[1]}")
+    if args.out_end > y.shape[1]:
+        raise ValueError(f"the slices need {args.out_end} columns, y has {y.shape[1]}")
+    if not meta.has_lora:
+        return
+    slots = meta.token_slots
+    if slots.dtype != torch.int32 or not slots.is_cpu:
+        raise ValueError("meta.token_slots must be int32 on the CPU for the native backend")
+    lib = native.library()
+    assert lib is not None  # native_fits
+    rc = lib.lp_lora_add(
+        native.ptr(y), y.stride(0), native.ptr(x), x.stride(0), T, x.shape[1],
+        native.ptr(slots), weights.max_loras, weights.max_rank,
+        args.pages, args.pages_strides[0], args.pages_strides[1],
+        args.ranks, args.ranks_stride, weights.num_slices,
+        args.a_ptrs, args.b_ptrs, args.pool_rows, args.widths, args.offsets,
+        native.num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(
+            f"lp_lora_add rejected its arguments: a slot >= max_loras ({weights.max_loras}), a "
+            f"rank outside [0, {weights.max_rank}] or a page outside its pool "
+            f"({weights.num_pages} rows); check_page_index says which"
+        )
