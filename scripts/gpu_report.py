@@ -36,30 +36,29 @@ def gpu_name(results: Path) -> str:
 
 
 def throughput(results: Path) -> list[dict[str, Any]]:
-    rows = []
+    """One row per adapter count: the base-model run, then each N of the adapters sweep
+    (``throughput-lora-scale-*.json``: with and without adapters, back to back)."""
+    rows: list[dict[str, Any]] = []
     for path in sorted(results.glob("throughput-*.json")):
         data = load(path)
-        if not isinstance(data, dict) or "summary" not in data:
+        if not isinstance(data, dict):
             continue
-        n = int(data.get("options", {}).get("num_adapters", 0))
-        summary = data["summary"]
-        if n == 0:
-            lp = summary.get("loraplex") or {}
-            rows.append({"adapters": 0, "tokens_per_s": lp.get("median_tokens_per_s")})
-        else:
-            systems = summary.get("systems", {})
+        if data.get("benchmark") == "throughput" and "summary" in data:
+            lp = data["summary"].get("loraplex") or {}
+            rows.append(
+                {"adapters": 0, "tokens_per_s": lp.get("median_tokens_per_s"), "file": path.name}
+            )
+        for row in data.get("table") or []:  # the adapters-at-scale sweep
             rows.append(
                 {
-                    "adapters": n,
-                    "tokens_per_s": systems.get("loraplex", {}).get("median_tokens_per_s"),
-                    "base_tokens_per_s": systems.get("loraplex_base", {}).get(
-                        "median_tokens_per_s"
-                    ),
-                    "lora_over_base": summary.get("lora_with_over_without"),
+                    "adapters": row.get("num_adapters"),
+                    "tokens_per_s": row.get("tokens_per_s_with"),
+                    "base_tokens_per_s": row.get("tokens_per_s_base"),
+                    "lora_over_base": row.get("ratio"),
+                    "file": path.name,
                 }
             )
-        rows[-1]["file"] = path.name
-    return sorted(rows, key=lambda r: r["adapters"])
+    return sorted(rows, key=lambda r: r["adapters"] or 0)
 
 
 def tests_summary(results: Path) -> str | None:
