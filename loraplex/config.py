@@ -15,7 +15,7 @@ DType = Literal["auto", "float32", "float16", "bfloat16"]
 # The order waiting requests are admitted in (engine/waiting_queue.py): first come first served;
 # lower priority first; or fair shares between tenants (Virtual Token Counter), priority first.
 SchedulingPolicy = Literal["fcfs", "priority", "fair"]
-AttentionBackendName = Literal["auto", "torch", "native"]  # engine/attention/select.py
+AttentionBackendName = Literal["auto", "torch", "native", "triton"]  # engine/attention/select.py
 # Request priorities (lower runs earlier, 0 the default): what an API caller may send.
 PRIORITY_RANGE = (-1000, 1000)
 
@@ -35,15 +35,17 @@ class ModelConfig:
     seed: int = 0
     # auto: the native CPU kernel where it runs (CPU, float32, built), else torch
     attention_backend: AttentionBackendName = "auto"
+    # never capture CUDA graphs; capture happens only on CUDA with attention_backend=triton
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(
                 f"dtype must be one of auto, float32, float16, bfloat16; got {self.dtype!r}"
             )
-        if self.attention_backend not in ("auto", "torch", "native"):
+        if self.attention_backend not in get_args(AttentionBackendName):
             raise ValueError(
-                "attention_backend must be one of auto, torch, native; "
+                "attention_backend must be one of auto, torch, native, triton; "
                 f"got {self.attention_backend!r}"
             )
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -78,6 +78,9 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("seed", "model", "the engine's random seed", int),
     EngineArg("attention_backend", "model", "auto: the native CPU kernel where it runs",
               choices=get_args(AttentionBackendName)),
+    EngineArg("enforce_eager", "model",
+              "no CUDA graphs (they capture decode steps on CUDA with the triton backend)",
+              switch=True),
     EngineArg("block_size", "cache", "tokens per KV block", positive_int),
     EngineArg("num_blocks", "cache", "KV cache blocks (instead of --kv-cache-memory)",
               positive_int),
@@ -115,6 +118,7 @@ class EngineKwargs(TypedDict, total=False):
     max_model_len: int | None
     seed: int
     attention_backend: AttentionBackendName
+    enforce_eager: bool
     block_size: int
     num_blocks: int | None
     kv_cache_memory: int | None

@@ -221,6 +221,8 @@ class ThroughputOptions:
             argv += [f"--peft-mixed-batch-size={self.peft_mixed_batch_size}"] * self.with_peft
         argv += [f"--num-blocks={knobs['num_blocks']}"] if knobs["num_blocks"] else []
         argv += [] if knobs["enable_prefix_caching"] else ["--no-enable-prefix-caching"]
+        argv += [f"--attention-backend={knobs['attention_backend']}"]
+        argv += ["--enforce-eager"] if knobs["enforce_eager"] else []
         argv += ["--chat"] if self.chat else []
         argv += ["--skip-hf"] if self.skip_hf else []
         argv += ["--profile", f"--profile-requests={self.profile_requests}"] if self.profile else []

@@ -85,6 +85,8 @@ BENCH_KNOBS = (
     "enable_prefix_caching",
     "dtype",
     "lora_dtype",
+    "attention_backend",
+    "enforce_eager",
 )
 
 

@@ -15,6 +15,7 @@ import torch
 from loraplex.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from loraplex.engine.attention.base import AttentionBackend, BatchLayout
 from loraplex.engine.attention.select import select_backend
+from loraplex.engine.cuda_graphs import DecodeGraphRunner, build_decode_graphs
 from loraplex.engine.models.llama import LlamaForCausalLM
 from loraplex.engine.models.loader import (
     ModelSpec,
@@ -84,6 +85,7 @@ class ModelRunner:
                 self.device,
             )
         self.num_blocks = 0
+        self.graphs: DecodeGraphRunner | None = None  # decode CUDA graphs (init_kv_cache)
 
     @property
     def spec(self) -> ModelSpec:
@@ -129,6 +131,17 @@ class ModelRunner:
         self.num_blocks = num_blocks
         if self.lora is not None and self.lora.pool is None:
             self.lora.allocate_pool(self.kv_cache.numel() * self.kv_cache.element_size())
+        sched = self.scheduler_config
+        self.graphs = build_decode_graphs(
+            self.model,
+            self.attn,
+            self.lora,
+            min(sched.max_num_seqs, sched.max_num_batched_tokens),
+            self.max_model_len,
+            self.block_size,
+            self.device,
+            self.model_config.enforce_eager,
+        )
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             num_blocks,
@@ -185,6 +198,22 @@ class ModelRunner:
         self.lora.meta.prepare(token_slots.to(self.device))
         return self.lora.step.active(self.lora.meta)
 
+    def _graph_step(
+        self,
+        out: SchedulerOutput,
+        reqs: list[ScheduledRequest],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        layout: BatchLayout,
+    ) -> torch.Tensor | None:  # [B, hidden]; None: run the step eagerly (capture failed)
+        """A decode step through the captured graphs: adapters loaded first, LoRA metadata
+        refreshed by the graph runner (engine/cuda_graphs.py)."""
+        assert self.graphs is not None
+        slots = np.fromiter((r.lora_slot for r in reqs), dtype=np.int64, count=len(reqs))  # [B]
+        if self.lora is not None and out.lora_slots:
+            self.lora.activate(out.lora_slots)
+        return self.graphs.run(input_ids, positions, layout, slots)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         if out.finished_request_ids:
@@ -200,9 +229,13 @@ class ModelRunner:
             # Rows grouped by adapter slot: the LoRA kernels then see contiguous segments.
             reqs = sorted(reqs, key=lambda r: r.lora_slot)
         input_ids, positions, layout = self._layout(reqs)
-        metadata = self.attn.build_metadata(layout)
-        with self._lora_step(out, reqs, layout):
-            hidden = self.model(input_ids, positions, metadata)  # [T, hidden]
+        hidden = None
+        if self.graphs is not None and self.graphs.can_run(layout):
+            hidden = self._graph_step(out, reqs, input_ids, positions, layout)  # [B, hidden]
+        if hidden is None:
+            metadata = self.attn.build_metadata(layout)
+            with self._lora_step(out, reqs, layout):
+                hidden = self.model(input_ids, positions, metadata)  # [T, hidden]
 
         last_row = np.cumsum(layout.query_lens) - 1  # [B]
         row_of: dict[str, int] = {}

@@ -3,7 +3,10 @@
 * ``torch``: plain torch (any device and dtype);
 * ``native``: the C decode kernel (CPU, fp32, native kernels built, at most ``MAX_GROUP`` query
   heads per KV head); asking for it where it cannot run is an error that says why;
-* ``auto``: ``native`` where it can run, else ``torch``.
+* ``triton``: the Triton paged kernel (``triton_backend.py``; CUDA, or the CPU under
+  ``TRITON_INTERPRET=1``); asking for it where it cannot run is an error that says why;
+* ``auto``: ``native`` where it can run, else ``torch`` (on CUDA too: ``triton`` becomes the CUDA
+  default once it has been measured on a GPU).
 
 Callers get the protocol, never a concrete class: the runner and the model use only
 ``AttentionBackend``'s methods.
@@ -17,6 +20,7 @@ from loraplex.config import AttentionBackendName
 from loraplex.engine.attention.base import AttentionBackend
 from loraplex.engine.attention.native import MAX_GROUP, NativePagedAttention
 from loraplex.engine.attention.torch_backend import TorchPagedAttention
+from loraplex.engine.attention.triton_backend import TritonPagedAttention, triton_unavailable
 from loraplex.kernels import native
 
 
@@ -44,8 +48,13 @@ def select_backend(
     """The attention backend ``name`` for a model with these heads on ``device``/``dtype``."""
     if name == "torch":
         return TorchPagedAttention(device, dtype)
+    if name == "triton":
+        why = triton_unavailable(device)
+        if why is not None:
+            raise ValueError(f"attention_backend 'triton' cannot serve this model: {why}")
+        return TritonPagedAttention(device, dtype, num_kv_heads)
     if name not in ("auto", "native"):
-        raise ValueError(f"attention_backend must be auto, torch or native; got {name!r}")
+        raise ValueError(f"attention_backend must be auto, torch, native or triton; got {name!r}")
     why = native_unavailable(device, dtype, num_heads, num_kv_heads)
     if why is None:
         return NativePagedAttention(device, dtype)

@@ -91,8 +91,8 @@ def test_native_where_it_runs() -> None:
 
 
 def test_unknown_names_are_refused() -> None:
-    with pytest.raises(ValueError, match="auto, torch or native"):
-        select_backend("triton", CPU, torch.float32)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="auto, torch, native or triton"):
+        select_backend("flash", CPU, torch.float32)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, native"):
         ModelConfig(attention_backend="flash")  # type: ignore[arg-type]
     assert ModelConfig().attention_backend == "auto"
