@@ -318,8 +318,15 @@ def _native_pays(weights: LoRALayerWeights, meta: LoRAKernelMeta) -> bool:
     runs = meta.row_runs
     if runs is not None and len(runs) <= LOOP_MAX_SEGMENTS:
         return False
-    ranks = TorchLoRACache.of(weights).slot_ranks
-    return max(ranks[s] for s in meta.active_slot_list) <= NATIVE_MAX_RANK
+    # Ranks are per module, the same in every layer (their index rows are one table): work the
+    # answer out once per step for all layers that share it. The index does not change within a
+    # step (the manager writes it before meta.prepare).
+    key = ("native_pays", weights.ranks.data_ptr())
+    pays = meta.step_memo.get(key)
+    if pays is None:
+        ranks = TorchLoRACache.of(weights).slot_ranks
+        pays = meta.step_memo[key] = max(ranks[s] for s in meta.active_slot_list) <= NATIVE_MAX_RANK
+    return bool(pays)
 
 
 def _check_torch_args(

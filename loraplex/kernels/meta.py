@@ -116,10 +116,13 @@ class LoRAKernelMeta:
         # (slot, first row, end row) per segment when every segment is a run of rows, else None
         self.row_runs: list[tuple[int, int, int]] | None = None
         self._plan: TorchPlan | None = None
+        # What layers sharing one page index work out once per step (cleared by prepare)
+        self.step_memo: dict[object, object] = {}
 
     def prepare(self, token_slots: torch.Tensor) -> None:
         """Fill the buffers for this step from ``token_slots [T]`` (-1 = base model)."""
         self.has_lora = False  # until this step is fully prepared
+        self.step_memo.clear()
         self._plan = None
         if token_slots.dim() != 1:
             raise ValueError(f"token_slots must be 1-D [T], got shape {tuple(token_slots.shape)}")
