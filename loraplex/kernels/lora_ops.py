@@ -25,7 +25,7 @@ adapter rows, at that adapter's own rank in each slice, for any number of adapte
   ``loraplex.kernels.native``): ``lp_lora_add`` in ``csrc/cpu_kernels.c``, one call per layer
   for all of the step's tokens, each at its own slot and rank, in tiles of up to 8 tokens of one
   slot. ``_native_pays`` sends the cases the torch path does faster (one or two row runs, ranks
-  above ``NATIVE_MAX_RANK``) to the torch path.
+  above ``NATIVE_MAX_RANK`` that padding would not waste) to the torch path.
 
 Every path leaves base-model rows unread and unwritten.
 
@@ -61,8 +61,11 @@ LOOP_MAX_SEGMENTS = 2
 # segment is short and the rank small (decode); prefill chunks and large ranks go slice by slice.
 FUSE_MAX_ROWS = 64
 FUSE_MAX_RANK = 16
-# The native kernel's rank limit: above it the torch path's GEMMs are faster (rank 64: 1.5x).
+# The native kernel's rank limit: above it the torch path's GEMMs are faster (rank 64: 1.5x)...
 NATIVE_MAX_RANK = 16
+# ... unless padding every slot of a step to its largest rank wastes more than that: the torch
+# path's padded rank-rows over the native kernel's own-rank rows, above which native runs anyway.
+PAD_WASTE = 1.5
 # Cached groups per layer (a step has a few: the decodes, a prefill). An entry holds its slots'
 # A and B at the group's rank, B block-diagonal (S times its size) when the rank is small.
 GROUP_CACHE_SIZE = 2
@@ -311,9 +314,11 @@ def _native_pays(weights: LoRALayerWeights, meta: LoRAKernelMeta) -> bool:
     """Whether the native kernel beats the torch path on this step (measured, 2 CPU threads).
 
     Where the torch path multiplies each segment in place (at most ``LOOP_MAX_SEGMENTS`` runs of
-    rows: a prefill chunk, one adapter's decodes) it is a plain GEMM per segment and wins; so it
-    does at ranks above ``NATIVE_MAX_RANK``, where the work is large enough for MKL. The native
-    kernel wins where the torch path has to pad, gather and batch: many small segments.
+    rows: a prefill chunk, one adapter's decodes) it is a plain GEMM per segment and wins. With
+    more segments the torch path pads every slot of a group to the group's largest rank; the
+    native kernel runs each at its own. At ranks up to ``NATIVE_MAX_RANK`` the native kernel wins
+    outright; above it the torch GEMMs are about 1.5x faster at equal work, so the native kernel
+    takes the step only when padding would cost more than that (``PAD_WASTE``: mixed ranks).
     """
     runs = meta.row_runs
     if runs is not None and len(runs) <= LOOP_MAX_SEGMENTS:
@@ -325,7 +330,10 @@ def _native_pays(weights: LoRALayerWeights, meta: LoRAKernelMeta) -> bool:
     pays = meta.step_memo.get(key)
     if pays is None:
         ranks = TorchLoRACache.of(weights).slot_ranks
-        pays = meta.step_memo[key] = max(ranks[s] for s in meta.active_slot_list) <= NATIVE_MAX_RANK
+        active = [ranks[s] for s in meta.active_slot_list]
+        top = max(active)
+        pays = top <= NATIVE_MAX_RANK or top * len(active) > PAD_WASTE * sum(active)
+        meta.step_memo[key] = pays
     return bool(pays)
 
 

@@ -463,7 +463,9 @@ def test_native_dispatch_sends_big_runs_and_high_ranks_to_torch(
     many = [s for s in range(4) for _ in range(3)]  # 4 runs: more than LOOP_MAX_SEGMENTS
     for slots, ranks, expect in [
         (many, [8, 8, 8, 8], "native"),
-        (many, [8, 8, 64, 8], "torch"),  # a rank above NATIVE_MAX_RANK
+        (many, [64, 64, 64, 64], "torch"),  # ranks above NATIVE_MAX_RANK, nothing padded
+        (many, [64, 64, 64, 32], "torch"),  # padding wastes 256 / 224 rank-rows: < PAD_WASTE
+        (many, [8, 8, 64, 8], "native"),  # padding to 64 would waste 256 / 88 rank-rows
         ([0] * 12, [8], "torch"),  # one run: a GEMM in place
     ]:
         case = make_case(slots, ranks, 32, [16, 8])
