@@ -2,7 +2,10 @@
 
 One call per layer for all of the step's tokens, each at its own slot and, per slice, its own
 rank, A and B rows read through the page index; tiles of up to 8 consecutive tokens of one slot
-share each row read. fp32 on the CPU only (``native_fits``). The kernel checks every page the
+share each row read. On the CPU only, x and y fp32, the pools fp32, fp16 or bf16
+(``native_fits``): half-precision rows are widened to fp32 as they are read and every sum is fp32,
+so a half pool halves the bytes a decode step reads and gives what ``add_lora_reference`` gives on
+the same pool (it upcasts with ``.float()``) up to fp32 rounding. The kernel checks every page the
 batch's slots name against its pool, every slot against ``max_loras`` and every rank against
 ``max_rank`` before it writes anything, and fails the call (``RuntimeError``) otherwise.
 """
@@ -20,6 +23,9 @@ from loraplex.kernels.meta import LoRAKernelMeta
 
 CACHE_KEY = "native"  # in LoRALayerWeights.caches
 
+# Pool element types lp_lora_add reads, as its pool_dtype argument (LP_F32, LP_F16, LP_BF16)
+POOL_DTYPES: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
 
 @dataclass(frozen=True)
 class NativeLoRAArgs:
@@ -29,6 +35,7 @@ class NativeLoRAArgs:
 
     a_ptrs: ctypes.Array[ctypes.c_void_p]  # per slice: lora_a[j] [num_pages_j, in]
     b_ptrs: ctypes.Array[ctypes.c_void_p]  # per slice: lora_b[j] [num_pages_j, n_j]
+    pool_dtype: int  # POOL_DTYPES[weights.dtype]
     pool_rows: ctypes.Array[ctypes.c_int64]  # per slice: num_pages_j
     widths: ctypes.Array[ctypes.c_int64]
     offsets: ctypes.Array[ctypes.c_int64]
@@ -40,10 +47,10 @@ class NativeLoRAArgs:
 
     @classmethod
     def of(cls, weights: LoRALayerWeights) -> NativeLoRAArgs:
-        if weights.dtype != torch.float32 or weights.device.type != "cpu":
+        if weights.dtype not in POOL_DTYPES or weights.device.type != "cpu":
             raise ValueError(
-                f"the native LoRA kernel needs fp32 pools on the CPU, got {weights.dtype} on "
-                f"{weights.device}"
+                f"the native LoRA kernel needs fp32, fp16 or bf16 pools on the CPU, got "
+                f"{weights.dtype} on {weights.device}"
             )
         if weights.pages.stride(2) != 1 or weights.ranks.stride(1) != 1:
             raise ValueError("the native LoRA kernel needs pages and ranks contiguous in k / slot")
@@ -51,6 +58,7 @@ class NativeLoRAArgs:
         return cls(
             a_ptrs=(ctypes.c_void_p * n)(*(a.data_ptr() for a in weights.lora_a)),
             b_ptrs=(ctypes.c_void_p * n)(*(b.data_ptr() for b in weights.lora_b)),
+            pool_dtype=POOL_DTYPES[weights.dtype],
             pool_rows=(ctypes.c_int64 * n)(*weights.num_pages),
             widths=(ctypes.c_int64 * n)(*weights.widths),
             offsets=(ctypes.c_int64 * n)(*weights.slice_offsets),
@@ -75,11 +83,12 @@ def native_args(weights: LoRALayerWeights) -> NativeLoRAArgs:
 
 
 def native_fits(y: torch.Tensor, x: torch.Tensor, weights: LoRALayerWeights) -> bool:
-    """Whether ``add_lora_native`` takes this call: the kernels are built, x, y and the pools are
-    fp32 on the CPU, x and y 2-D with unit column stride (the pools are contiguous by
-    construction), and the page tables contiguous along their last dimension."""
+    """Whether ``add_lora_native`` takes this call: the kernels are built, x and y are fp32 and
+    the pools fp32, fp16 or bf16, all on the CPU, x and y 2-D with unit column stride (the pools
+    are contiguous by construction), and the page tables contiguous along their last dimension."""
     return (
-        x.dtype == y.dtype == weights.dtype == torch.float32
+        x.dtype == y.dtype == torch.float32
+        and weights.dtype in POOL_DTYPES
         and x.is_cpu
         and y.is_cpu
         and weights.device.type == "cpu"
@@ -96,12 +105,14 @@ def add_lora_native(
     y: torch.Tensor, x: torch.Tensor, weights: LoRALayerWeights, meta: LoRAKernelMeta
 ) -> None:
     """``add_lora_reference`` in one ``lp_lora_add`` call: x [T, in], y [T, out] updated in place
-    (fp32, CPU). Raises ``RuntimeError`` when the kernel rejects the page index or the slots."""
+    (fp32, CPU; pools fp32, fp16 or bf16). Raises ``RuntimeError`` when the kernel rejects the
+    page index or the slots."""
     if not native_fits(y, x, weights):
         raise ValueError(
             "the native LoRA kernel needs fp32 CPU x [T, in] and y [T, out] with unit column "
-            f"stride and fp32 CPU pools (built kernels), got x {x.dtype} {tuple(x.shape)}, "
-            f"y {y.dtype} {tuple(y.shape)}, pools {weights.dtype} on {weights.device}"
+            "stride and fp32, fp16 or bf16 CPU pools (built kernels), got x "
+            f"{x.dtype} {tuple(x.shape)}, y {y.dtype} {tuple(y.shape)}, pools {weights.dtype} on "
+            f"{weights.device}"
         )
     args = native_args(weights)
     T = meta.num_tokens
@@ -127,7 +138,7 @@ def add_lora_native(
         native.ptr(slots), weights.max_loras, weights.max_rank,
         args.pages, args.pages_strides[0], args.pages_strides[1],
         args.ranks, args.ranks_stride, weights.num_slices,
-        args.a_ptrs, args.b_ptrs, args.pool_rows, args.widths, args.offsets,
+        args.a_ptrs, args.b_ptrs, args.pool_dtype, args.pool_rows, args.widths, args.offsets,
         native.num_threads(),
     )  # fmt: skip
     if rc != 0:

@@ -116,8 +116,8 @@ def _load(path: Path) -> ctypes.CDLL:
         i64, ptr, i64, i64,  # in_features, slots, max_loras, max_rank
         ptr, i64, i64,  # pages, p_slice_stride, p_slot_stride
         ptr, i64, i64,  # ranks, r_slice_stride, num_slices
-        ptr, ptr, ptr,  # a_pools, b_pools, pool_rows
-        ptr, ptr, c_int,  # widths, offsets, num_threads
+        ptr, ptr, c_int,  # a_pools, b_pools, pool_dtype (0 fp32, 1 fp16, 2 bf16)
+        ptr, ptr, ptr, c_int,  # pool_rows, widths, offsets, num_threads
     ]  # fmt: skip
     lib.lp_add_rms_norm.restype = c_int
     lib.lp_add_rms_norm.argtypes = [

@@ -9,6 +9,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #if defined(__AVX512F__)
 #define LP_VL 16
 #else
@@ -17,6 +21,8 @@
 
 typedef float lp_vf __attribute__((vector_size(LP_VL * sizeof(float))));
 typedef int32_t lp_vi __attribute__((vector_size(LP_VL * sizeof(int32_t))));
+typedef uint32_t lp_vu __attribute__((vector_size(LP_VL * sizeof(uint32_t))));
+typedef uint16_t lp_vh __attribute__((vector_size(LP_VL * sizeof(uint16_t))));
 
 static inline lp_vf lp_ld(const float *p) {
     lp_vf v;
@@ -25,6 +31,97 @@ static inline lp_vf lp_ld(const float *p) {
 }
 
 static inline void lp_st(float *p, lp_vf v) { memcpy(p, &v, sizeof v); }
+
+/* ---- half-precision storage, fp32 arithmetic ----
+ * bf16 is the top half of an fp32: widening is a 16-bit left shift. fp16 (IEEE binary16) is
+ * widened by vcvtph2ps (AVX-512F for 16 lanes, F16C for 8), else in portable C. Both are exact. */
+
+static inline float lp_bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float lp_f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t em = h & 0x7fffu; /* exponent and mantissa */
+    uint32_t u;
+    if (em >= 0x7c00u) { /* inf, NaN (payload kept, quieted as vcvtph2ps does) */
+        u = sign | 0x7f800000u | ((em & 0x3ffu) << 13) | (em > 0x7c00u ? 0x00400000u : 0);
+    } else if (em >= 0x0400u) { /* normal: rebias the exponent by 127 - 15 */
+        u = sign | ((em << 13) + (112u << 23));
+    } else { /* zero or subnormal: em * 2^-24, exact in fp32 */
+        const float f = (float)em * 5.9604644775390625e-8f;
+        memcpy(&u, &f, sizeof u);
+        u |= sign;
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+#endif
+}
+
+/* LP_VL bf16 / fp16 values from p (no alignment assumed) widened to fp32 */
+static inline lp_vf lp_ld_bf16(const uint16_t *p) {
+#if LP_VL == 16 /* one vpmovzxwd: GCC splits __builtin_convertvector into 256-bit halves */
+    const lp_vu u = (lp_vu)_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#elif defined(__AVX2__)
+    const lp_vu u =
+        (lp_vu)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+    lp_vh h;
+    memcpy(&h, p, sizeof h);
+    const lp_vu u = __builtin_convertvector(h, lp_vu) << 16;
+#endif
+    lp_vf v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+static inline lp_vf lp_ld_f16(const uint16_t *p) {
+#if LP_VL == 16
+    return (lp_vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__)
+    return (lp_vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    lp_vf v;
+    for (int i = 0; i < LP_VL; i++) v[i] = lp_f16_to_f32(p[i]);
+    return v;
+#endif
+}
+
+/* Element types of a weight pool the kernels read (the pool_dtype argument) */
+#define LP_F32 0
+#define LP_F16 1
+#define LP_BF16 2
+
+/* Element i of row (type dt, a constant once inlined), and LP_VL of them from i, as fp32 */
+static inline __attribute__((always_inline)) float lp_at(const int dt, const void *row,
+                                                         int64_t i) {
+    if (dt == LP_F16) return lp_f16_to_f32(((const uint16_t *)row)[i]);
+    if (dt == LP_BF16) return lp_bf16_to_f32(((const uint16_t *)row)[i]);
+    return ((const float *)row)[i];
+}
+
+static inline __attribute__((always_inline)) lp_vf lp_ldt(const int dt, const void *row,
+                                                          int64_t i) {
+    if (dt == LP_F16) return lp_ld_f16((const uint16_t *)row + i);
+    if (dt == LP_BF16) return lp_ld_bf16((const uint16_t *)row + i);
+    return lp_ld((const float *)row + i);
+}
+
+/* Bytes of one element of type dt, and row `row` of a [rows, width] pool of that type */
+static inline int64_t lp_esize(const int dt) { return dt == LP_F32 ? 4 : 2; }
+
+static inline __attribute__((always_inline)) const void *lp_row(const int dt, const void *pool,
+                                                                int64_t row, int64_t width) {
+    return (const char *)pool + row * width * lp_esize(dt);
+}
 
 /* the sum of the lanes, as a tree */
 static inline float lp_hsum(lp_vf v) {
