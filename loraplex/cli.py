@@ -143,6 +143,23 @@ def build_parser() -> argparse.ArgumentParser:
             ),
         )
     )
+    from loraplex.bench.contention_options import add_contention_arguments
+
+    add_contention_arguments(
+        benches.add_parser(
+            "contention",
+            help="throughput and step times quiet and beside busy processes, per OpenMP spin "
+            "count; batch 1 against the memory-bandwidth bound",
+            description=(
+                "Run the workload of bench throughput and a batch-1 decode quiet and with N "
+                "competing busy processes, in paired alternating runs, one loraplex child "
+                "process per OpenMP spin setting (optionally vLLM beside it, with "
+                "--vllm-python), and report tokens/s, step-time percentiles, busy/quiet and "
+                "loraplex/vLLM ratios, and batch-1 decode as a fraction of copy bandwidth / "
+                "weight bytes per token. Writes JSON and Markdown to --output-dir."
+            ),
+        )
+    )
     from loraplex.platform.admin_cli import add_commands as add_platform_commands
 
     add_platform_commands(commands, _Parser)
@@ -352,6 +369,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from loraplex.bench.structured import run_structured
 
             run_structured(structured_options(args))
+            return 0
+        if args.command == "bench" and args.bench == "contention":
+            from loraplex.bench.contention import run_contention
+            from loraplex.bench.contention_options import options_from as contention_options
+
+            run_contention(contention_options(args))
             return 0
         if args.command in ("db", "admin"):
             from loraplex.platform.admin_cli import run as run_platform_command
