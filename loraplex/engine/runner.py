@@ -31,8 +31,8 @@ from loraplex.engine.records import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from loraplex.engine.sampler import Sampler, SampleRow
 from loraplex.engine.rejection_sampler import accept_drafts, verification_rows
+from loraplex.engine.sampler import Sampler, SampleRow
 
 logger = logging.getLogger(__name__)
 
