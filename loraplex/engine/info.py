@@ -94,6 +94,8 @@ class SpecDecodeStats:
     (accepted drafts plus the one token each verification samples, less any after a stop)."""
 
     method: str  # "ngram" | "draft_model": the metrics' label
+    num_speculative_tokens: int = 0  # the most drafts a request gets in a step
+    disable_by_batch_size: int = 0  # more decoding requests than this: no speculation that step
     num_verifications: int = 0  # (request, step) pairs that verified at least one draft
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

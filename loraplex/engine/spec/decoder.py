@@ -92,6 +92,8 @@ class SpecDecoder:
     def stats(self) -> SpecDecodeStats:
         return SpecDecodeStats(
             method=self.proposer.name,
+            num_speculative_tokens=self.policy.max_drafts,
+            disable_by_batch_size=self.policy.disable_by_batch_size,
             num_verifications=self.num_verifications,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
