@@ -5,7 +5,7 @@ from __future__ import annotations
 from loraplex.config import EngineConfig, SpeculativeConfig
 from loraplex.engine.spec.decoder import SpecDecoder
 from loraplex.engine.spec.ngram import NgramProposer
-from loraplex.engine.spec.policy import DraftPolicy, default_disable_by_batch_size
+from loraplex.engine.spec.policy import DraftPolicy, device_costs
 from loraplex.engine.spec.proposer import Proposer
 
 
@@ -34,8 +34,9 @@ def build_proposer(config: EngineConfig, vocab_size: int) -> Proposer:
 def build_spec_decoder(
     spec: SpeculativeConfig, proposer: Proposer, device_type: str, max_model_len: int
 ) -> SpecDecoder:
+    costs = device_costs(device_type)
     threshold = spec.disable_by_batch_size
     if threshold is None:
-        threshold = default_disable_by_batch_size(device_type)
-    policy = DraftPolicy(spec.num_speculative_tokens, threshold, adaptive=spec.adaptive)
+        threshold = costs.disable_by_batch_size
+    policy = DraftPolicy(spec.num_speculative_tokens, threshold, spec.adaptive, costs)
     return SpecDecoder(proposer, policy, max_model_len)

@@ -78,7 +78,8 @@ class SpecDecoder:
         for r in decoding:
             if r.params.structured_outputs is not None:
                 continue
-            k = min(self.policy.num_drafts(r.request_id), self.max_model_len - r.num_tokens)
+            k = self.policy.num_drafts(r.request_id, len(decoding))
+            k = min(k, self.max_model_len - r.num_tokens)
             if r.params.max_tokens is not None:  # the step emits one token beyond the drafts
                 k = min(k, r.params.max_tokens - r.num_output_tokens - 1)
             if k > 0:
