@@ -205,7 +205,9 @@ def test_unseeded_sampling_keeps_the_target_distribution(models: dict[str, str])
     knobs = {**KNOBS, "max_num_seqs": 128, "max_num_batched_tokens": 512, "num_blocks": 1200}
     plain = LLM(models["llama"], **knobs)
     spec = LLM(
-        models["llama"], **knobs, speculative_config=self_draft(models["llama"], k=1, batch=128)
+        models["llama"],
+        **knobs,
+        speculative_config={**self_draft(models["llama"], k=1, batch=128), "adaptive": False},
     )
     a = [list(c.token_ids) for c in plain.generate([prompt], params, use_tqdm=False)[0].outputs]
     b = [list(c.token_ids) for c in spec.generate([prompt], params, use_tqdm=False)[0].outputs]
