@@ -67,6 +67,12 @@ class SpecDecoder:
             self.policy.observe(s.request_id, len(drafts), accepted)
 
     def propose(self, running: Sequence[Request]) -> None:
+        """Set the drafts of the running requests for the next step (none where the policy or
+        the proposer gives none: drafts left from a step that did not schedule a request are
+        dropped too)."""
+        for r in running:
+            if r.draft_token_ids:
+                r.draft_token_ids = []
         decoding = [r for r in running if _decoding(r)]
         if not decoding:
             return
