@@ -73,7 +73,10 @@ class EngineCore:
         )
         spec = self.runner.spec
         # A draft model takes its memory before the served model's KV cache is sized.
-        proposer = build_proposer(config, spec.vocab_size) if config.speculative_config else None
+        proposer = None
+        if config.speculative_config is not None:
+            longest = config.model.max_model_len or spec.max_position_embeddings
+            proposer = build_proposer(config, spec.vocab_size, longest)
         num_blocks = self.runner.init_kv_cache()
         block_size = config.cache.block_size
         max_model_len = config.model.max_model_len or spec.max_position_embeddings

@@ -9,9 +9,10 @@ from loraplex.engine.spec.policy import DraftPolicy, device_costs
 from loraplex.engine.spec.proposer import Proposer
 
 
-def build_proposer(config: EngineConfig, vocab_size: int) -> Proposer:
+def build_proposer(config: EngineConfig, vocab_size: int, max_model_len: int) -> Proposer:
     """The configured proposer. A draft model is loaded (and its KV allocated) here: call this
-    before the served model's KV cache is sized, which takes what memory is left."""
+    before the served model's KV cache is sized, which takes what memory is left.
+    ``max_model_len``: the served model's longest sequence (at most)."""
     spec = config.speculative_config
     if spec is None:
         raise ValueError("speculative decoding is not configured (speculative_config is None)")
@@ -28,6 +29,7 @@ def build_proposer(config: EngineConfig, vocab_size: int) -> Proposer:
         config.scheduler,
         spec.num_speculative_tokens,
         vocab_size,
+        max_model_len,
     )
 
 

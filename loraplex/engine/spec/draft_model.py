@@ -32,8 +32,9 @@ from loraplex.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
-# The draft KV cache holds every running sequence at full length, up to this many bytes.
-DRAFT_KV_BYTES = 256 << 20
+# The draft KV cache holds every running sequence at full length, up to this many bytes (the
+# served model's own CPU default).
+DRAFT_KV_BYTES = 1 << 30
 
 
 @dataclass
@@ -53,7 +54,9 @@ class DraftModelProposer:
         scheduler_config: SchedulerConfig,
         max_drafts: int,
         vocab_size: int,
+        max_model_len: int,
     ) -> None:
+        """``max_model_len``: the served model's longest sequence (at most)."""
         draft_config = ModelConfig(
             model=model_dir,
             dtype=model_config.dtype,
@@ -71,7 +74,7 @@ class DraftModelProposer:
                 f"the served model {vocab_size}; a draft model must share the served model's "
                 "tokenizer (e.g. a smaller model of the same family)"
             )
-        self.max_len = self.runner.max_model_len
+        self.max_len = min(self.runner.max_model_len, max_model_len)
         per_seq = -(-(self.max_len + max_drafts) // block_size)
         per_block = spec.kv_bytes_per_block(block_size)
         wanted = scheduler_config.max_num_seqs * per_seq + 1

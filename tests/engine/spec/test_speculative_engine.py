@@ -219,3 +219,14 @@ def test_unseeded_sampling_keeps_the_target_distribution(models: dict[str, str])
         cb = collections.Counter(t[pos] for t in b)
         tv = 0.5 * sum(abs(ca[t] - cb[t]) / n for t in ca.keys() | cb.keys())
         assert tv < 0.1, (pos, tv)
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(
+    models: dict[str, str], tmp_path: Path
+) -> None:
+    other = make_tiny_model(
+        tmp_path / "other", "llama", seed=1, **{**DRAFT_SHAPE, "vocab_size": 256}
+    )
+    config = {"method": "draft_model", "model": other, "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="vocabulary of 256 tokens, the served model 512"):
+        LLM(models["llama"], **KNOBS, speculative_config=config)
