@@ -85,13 +85,11 @@ class DraftModelProposer:
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.chunk = scheduler_config.max_num_batched_tokens
         self._seqs: dict[str, _DraftSeq] = {}
-        self._forgotten: list[str] = []
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             if self._seqs.pop(rid, None) is not None:
                 self.kv.free(rid)
-        self._forgotten.extend(request_ids)
 
     def propose(self, requests: Sequence[Request], num_drafts: Sequence[int]) -> list[list[int]]:
         drafts: dict[str, list[int]] = {}
@@ -167,10 +165,10 @@ class DraftModelProposer:
         )
 
     def _step(self, batch: list[ScheduledRequest]) -> SchedulerOutput:
-        finished, self._forgotten = self._forgotten, []
+        # The draft sampler keeps no state for its rows (greedy, no penalties, no seed): no
+        # finished ids to pass on.
         return SchedulerOutput(
             requests=batch,
             blocks_to_copy=self.kv.take_copies(),
-            finished_request_ids=finished,
             num_batched_tokens=sum(len(s.token_ids) for s in batch),
         )
