@@ -160,6 +160,21 @@ def build_parser() -> argparse.ArgumentParser:
             ),
         )
     )
+    from loraplex.bench.speculative import add_speculative_arguments
+
+    add_speculative_arguments(
+        benches.add_parser(
+            "speculative",
+            help="ngram speculative decoding vs none: a copy-heavy workload and the throughput one",
+            description=(
+                "On the model (offline LLM, one process, two engines): tokens/s with ngram "
+                "speculative decoding against none, in paired alternating runs (median), on a "
+                "copy-heavy workload at batch 1 (prompts that repeat or lightly edit a passage) "
+                "and on loraplex bench throughput's 64-request workload; with the acceptance "
+                "rate. Writes JSON to --output-dir."
+            ),
+        )
+    )
     from loraplex.platform.admin_cli import add_commands as add_platform_commands
 
     add_platform_commands(commands, _Parser)
@@ -375,6 +390,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from loraplex.bench.contention_options import options_from as contention_options
 
             run_contention(contention_options(args))
+            return 0
+        if args.command == "bench" and args.bench == "speculative":
+            from loraplex.bench.speculative import options_from as speculative_options
+            from loraplex.bench.speculative import run_speculative
+
+            run_speculative(speculative_options(args))
             return 0
         if args.command in ("db", "admin"):
             from loraplex.platform.admin_cli import run as run_platform_command

@@ -8,8 +8,9 @@ engine and kept beside the config, not written into it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal, get_args
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal, get_args
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 # The order waiting requests are admitted in (engine/waiting_queue.py): first come first served;
@@ -161,9 +162,149 @@ class LoRAConfig:
             )
 
 
+# Where draft tokens come from (engine/spec/): prompt lookup over the request's own tokens, or a
+# smaller model with the same vocabulary.
+SpeculativeMethod = Literal["ngram", "draft_model"]
+MAX_SPECULATIVE_TOKENS = 16  # more is never worth a verification row on any device we target
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config``): ``num_speculative_tokens`` drafts
+    per decoding request and step, verified by the target model in the same forward pass.
+
+    ``ngram``: prompt lookup, the longest suffix of ``prompt_lookup_min`` to
+    ``prompt_lookup_max`` tokens found earlier in the request's prompt and output (defaults 2
+    and 4). ``draft_model``: ``model``, a smaller model directory with the same vocabulary, run
+    greedily without adapters on its own small KV cache.
+
+    ``disable_by_batch_size``: no request speculates in a step where more requests than this
+    are decoding (the step is compute-bound: draft rows cost as much as real ones). None: the
+    device's default (``engine/spec/policy.py``). ``adaptive``: each request's draft length
+    follows its own acceptance rate (off for a while when nothing gets accepted).
+    """
+
+    method: SpeculativeMethod
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        methods = get_args(SpeculativeMethod)
+        if self.method not in methods:
+            raise ValueError(
+                f"speculative_config.method must be one of {', '.join(methods)}; "
+                f"got {self.method!r}"
+            )
+        k = self.num_speculative_tokens
+        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                "speculative_config.num_speculative_tokens must be an integer from 1 to "
+                f"{MAX_SPECULATIVE_TOKENS}; got {k!r}"
+            )
+        for name in ("prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(
+                    f"speculative_config.{name} must be an integer of at least 1; got {value!r}"
+                )
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(
+                f"speculative_config.adaptive must be true or false; got {self.adaptive!r}"
+            )
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError(
+                    "speculative_config.model is for method 'draft_model'; method 'ngram' "
+                    "drafts from the request's own tokens (drop 'model', or use 'draft_model')"
+                )
+            if self.lookup_min > self.lookup_max:
+                raise ValueError(
+                    f"speculative_config.prompt_lookup_min ({self.lookup_min}) must not exceed "
+                    f"prompt_lookup_max ({self.lookup_max})"
+                )
+        else:
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError(
+                    "speculative_config method 'draft_model' needs 'model': the directory of a "
+                    "smaller model with the same vocabulary as the served one"
+                )
+            if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
+                raise ValueError(
+                    "speculative_config.prompt_lookup_min/max are for method 'ngram'; drop "
+                    "them for 'draft_model'"
+                )
+
+    @property
+    def lookup_max(self) -> int:
+        """The longest suffix prompt lookup tries (ngram)."""
+        if self.prompt_lookup_max is not None:
+            return self.prompt_lookup_max
+        return max(4, self.prompt_lookup_min or 0)
+
+    @property
+    def lookup_min(self) -> int:
+        """The shortest suffix prompt lookup accepts (ngram)."""
+        if self.prompt_lookup_min is not None:
+            return self.prompt_lookup_min
+        return min(2, self.lookup_max)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SpeculativeConfig:
+        """From vLLM's dict form, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``;
+        ``ValueError`` naming an unknown or missing key."""
+        if not isinstance(data, Mapping):
+            raise ValueError(
+                f"speculative_config must be a JSON object / dict; got {type(data).__name__}"
+            )
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown key(s) {', '.join(map(str, unknown))}; the keys "
+                f"are {', '.join(known)}"
+            )
+        missing = [k for k in ("method", "num_speculative_tokens") if k not in data]
+        if missing:
+            raise ValueError(
+                f"speculative_config needs {' and '.join(missing)}, e.g. "
+                '{"method": "ngram", "num_speculative_tokens": 4}'
+            )
+        return cls(**data)
+
+
+def speculative_config_of(value: object) -> SpeculativeConfig | None:
+    """A ``SpeculativeConfig`` from what a caller may pass: one, a dict, or None (off)."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, Mapping):
+        return SpeculativeConfig.from_dict(value)
+    raise ValueError(
+        "speculative_config must be a dict such as "
+        '{"method": "ngram", "num_speculative_tokens": 4}, a SpeculativeConfig, or None; '
+        f"got {type(value).__name__}"
+    )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = ModelConfig()
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     lora: LoRAConfig = LoRAConfig()
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+
+    def __post_init__(self) -> None:
+        spec = self.speculative_config
+        if spec is not None and not isinstance(spec, SpeculativeConfig):
+            raise ValueError(
+                "EngineConfig.speculative_config must be a SpeculativeConfig or None "
+                "(engine_config() accepts a dict)"
+            )

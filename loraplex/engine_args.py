@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -35,16 +36,40 @@ from loraplex.config import (
     ModelConfig,
     SchedulerConfig,
     SchedulingPolicy,
+    SpeculativeConfig,
+    speculative_config_of,
 )
 
 ENV_PREFIX = "LORAPLEX_"
-Section = Literal["model", "cache", "scheduler", "lora"]
+# "engine": a knob that is a field of ``EngineConfig`` itself (a whole record, e.g.
+# speculative_config), not of one of its sections
+Section = Literal["model", "cache", "scheduler", "lora", "engine"]
 _RECORDS: dict[Section, type[Any]] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "lora": LoRAConfig,
+    "engine": EngineConfig,
 }
+
+
+def speculative_json(text: str) -> SpeculativeConfig:
+    """``--speculative-config``: a JSON object (vLLM's), e.g.
+    ``{"method": "ngram", "num_speculative_tokens": 4}``."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object such as "
+            f'\'{{"method": "ngram", "num_speculative_tokens": 4}}\'; {exc}'
+        ) from None
+    try:
+        config = speculative_config_of(data)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if config is None:
+        raise argparse.ArgumentTypeError("expected a JSON object, got null")
+    return config
 
 
 @dataclass(frozen=True)
@@ -106,6 +131,10 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               "halves the adapter bytes each step reads)", choices=get_args(DType)),
     EngineArg("max_cpu_loras", "lora", "adapters kept in host memory", positive_int),
     EngineArg("max_lora_rank", "lora", "the largest adapter rank accepted", positive_int),
+    EngineArg("speculative_config", "engine",
+              'speculative decoding as JSON, e.g. \'{"method": "ngram", '
+              '"num_speculative_tokens": 4}\' or \'{"method": "draft_model", "model": DIR, '
+              '"num_speculative_tokens": 4}\'', speculative_json),
 )  # fmt: skip
 _BY_NAME = {a.name: a for a in ENGINE_ARGS}
 
@@ -134,6 +163,8 @@ class EngineKwargs(TypedDict, total=False):
     max_lora_rank: int
     lora_memory: int | float | None
     lora_dtype: DType
+    # a dict as vLLM takes it ({"method": "ngram", "num_speculative_tokens": 4}), or the record
+    speculative_config: SpeculativeConfig | Mapping[str, Any] | None
 
 
 def engine_config(model: str | None = None, **knobs: Any) -> EngineConfig:
@@ -143,8 +174,9 @@ def engine_config(model: str | None = None, **knobs: Any) -> EngineConfig:
         raise TypeError(
             f"unknown engine option(s) {', '.join(unknown)}; the options are {', '.join(_BY_NAME)}"
         )
-    sections: dict[Section, dict[str, Any]] = {s: {} for s in _RECORDS}
+    sections: dict[Section, dict[str, Any]] = {s: {} for s in _RECORDS if s != "engine"}
     sections["model"]["model"] = model
+    top: dict[str, Any] = {}
     for name, value in knobs.items():
         arg = _BY_NAME[name]
         if isinstance(value, str) and arg.type is memory_size:  # LLM(lora_memory="625MB")
@@ -152,13 +184,21 @@ def engine_config(model: str | None = None, **knobs: Any) -> EngineConfig:
                 value = memory_size(value)
             except argparse.ArgumentTypeError as exc:
                 raise ValueError(f"{name}: {exc}") from None
-        sections[arg.section][name] = value
-    return EngineConfig(**{s: _RECORDS[s](**kw) for s, kw in sections.items()})
+        if arg.section == "engine":
+            top[name] = speculative_config_of(value) if name == "speculative_config" else value
+        else:
+            sections[arg.section][name] = value
+    return EngineConfig(**{s: _RECORDS[s](**kw) for s, kw in sections.items()}, **top)
 
 
 def knobs_of(config: EngineConfig) -> dict[str, Any]:
     """Every knob's value in ``config`` (the inverse of ``engine_config``)."""
-    return {a.name: getattr(getattr(config, a.section), a.name) for a in ENGINE_ARGS}
+    return {a.name: _value_of(config, a) for a in ENGINE_ARGS}
+
+
+def _value_of(config: EngineConfig, arg: EngineArg) -> Any:
+    record = config if arg.section == "engine" else getattr(config, arg.section)
+    return getattr(record, arg.name)
 
 
 def add_engine_arguments(

@@ -25,10 +25,16 @@ from loraplex.server.serve import add_serve_arguments
 
 
 def _config_fields() -> set[str]:
+    """Every section record's fields, and the fields of ``EngineConfig`` that are not sections
+    (a whole record as one knob: speculative_config)."""
     config = EngineConfig()
     names = set()
     for section in dataclasses.fields(config):
-        names |= {f.name for f in dataclasses.fields(getattr(config, section.name))}
+        value = getattr(config, section.name)
+        if dataclasses.is_dataclass(value):
+            names |= {f.name for f in dataclasses.fields(value)}
+        else:
+            names.add(section.name)
     return names - {"model"}
 
 

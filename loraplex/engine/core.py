@@ -14,6 +14,8 @@ from loraplex.engine.records import EngineCoreOutput
 from loraplex.engine.request import Request
 from loraplex.engine.runner import ModelRunner
 from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.spec.build import build_proposer, build_spec_decoder
+from loraplex.engine.spec.decoder import SpecDecoder
 from loraplex.engine.structured import StructuredOutputs
 from loraplex.grammar import GrammarBackend, LLGuidanceBackend
 from loraplex.lora.adapter import LoRAAdapter
@@ -70,6 +72,11 @@ class EngineCore:
             config.model, config.cache, config.scheduler, model_dir, lora_config=config.lora
         )
         spec = self.runner.spec
+        # A draft model takes its memory before the served model's KV cache is sized.
+        proposer = None
+        if config.speculative_config is not None:
+            longest = config.model.max_model_len or spec.max_position_embeddings
+            proposer = build_proposer(config, spec.vocab_size, longest)
         num_blocks = self.runner.init_kv_cache()
         block_size = config.cache.block_size
         max_model_len = config.model.max_model_len or spec.max_position_embeddings
@@ -102,6 +109,11 @@ class EngineCore:
             constraints=self.structured,
             residency=self.runner.lora,
         )
+        self.spec: SpecDecoder | None = None
+        if proposer is not None and config.speculative_config is not None:
+            self.spec = build_spec_decoder(
+                config.speculative_config, proposer, self.runner.device.type, max_model_len
+            )
 
     def _grammar_backend(self) -> GrammarBackend:
         """The default backend (on a compile thread, at the first constrained request)."""
@@ -170,7 +182,10 @@ class EngineCore:
         out = self.scheduler.schedule()
         self.structured.fill_masks(out)
         result = self.runner.execute(out)
-        return outputs + self.scheduler.update(out, result)
+        new = self.scheduler.update(out, result)
+        if self.spec is not None:  # the next step's drafts
+            self.spec.after_step(out, result, new, self.scheduler.running)
+        return outputs + new
 
     def _release_compiled(self) -> list[EngineCoreOutput]:
         """Requests whose grammar compiled go to the scheduler; those whose grammar failed
@@ -215,6 +230,7 @@ class EngineCore:
             num_generated_tokens=sched.stats.num_generated_tokens,
             max_model_len=self.max_model_len,
             lora=self._lora_stats(),
+            speculative=None if self.spec is None else self.spec.stats(),
             tenants=self._tenant_stats(),
         )
 

@@ -98,6 +98,35 @@ class TenantStats:
 
 
 @dataclass(frozen=True)
+class SpecDecodeStats:
+    """Speculative decoding since the engine started, for its one proposer (``method``): draft
+    tokens verified, how many the target accepted, and the tokens the verifying steps emitted
+    (accepted drafts plus the one token each verification samples, less any after a stop)."""
+
+    method: str  # "ngram" | "draft_model": the metrics' label
+    num_speculative_tokens: int = 0  # the most drafts a request gets in a step
+    disable_by_batch_size: int = 0  # more decoding requests than this: no speculation that step
+    num_verifications: int = 0  # (request, step) pairs that verified at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+    num_steps_off: int = 0  # steps with decoding requests where the batch was too large
+    # [j]: verifications whose draft j + 1 was accepted (with all before it)
+    accepted_per_position: tuple[int, ...] = ()
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens over draft tokens verified (0 before any)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_emitted(self) -> float:
+        """Tokens per verifying step of a request: 1 without any accepted draft."""
+        n = self.num_verifications
+        return self.num_emitted_tokens / n if n else 0.0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """One snapshot of the engine. Counters are totals since the engine process started (a
     restart starts them again; ``engine_restarts`` says when); gauges are current values.
@@ -120,6 +149,7 @@ class EngineStats:
     num_generated_tokens: int = 0
     max_model_len: int = 0
     lora: LoRAStats | None = None  # None: the engine serves no adapters
+    speculative: SpecDecodeStats | None = None  # None: no speculative decoding
     # tenant id (NO_TENANT for requests without one) -> its share: every tenant with a request
     # since the engine started, and every tenant given a weight
     tenants: Mapping[str, TenantStats] = field(default_factory=dict)

@@ -137,18 +137,27 @@ class KVCacheManager:
     # ---- allocation ----------------------------------------------------------------------
 
     def allocate_slots(
-        self, req: Request, num_new_tokens: int, new_computed_blocks: list[int] | None = None
+        self,
+        req: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[int] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``req``; False (and no change) if the
         free queue is too short.
 
         ``new_computed_blocks`` are prefix-cache hits (from ``get_computed_blocks``) that the
         request takes over on admission; they count as computed tokens.
+        ``num_lookahead_tokens``: room for that many tokens more after the new ones, which are
+        not the request's yet (draft tokens): their blocks are never registered in the prefix
+        cache; those of the drafts accepted are, when the request is scheduled next.
         """
         hits = new_computed_blocks or []
         table = self._tables.get(req.request_id, [])
         num_total = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
-        num_new_blocks, cow, num_taken = self._plan(req, num_new_tokens, hits)
+        num_new_blocks, cow, num_taken = self._plan(
+            req, num_new_tokens + num_lookahead_tokens, hits
+        )
         if num_taken > len(self._free):
             return False
 

@@ -30,6 +30,9 @@ class ScheduledRequest:
     prompt_token_ids: list[int]  # for the repetition penalty
     output_token_ids: list[int]  # tokens generated so far (penalties)
     lora_slot: int = -1  # device slot of the request's adapter, -1 = base model
+    # speculative decoding: draft tokens computed after token_ids[-1] (``token_ids`` ends with
+    # them); the runner samples one row per draft plus one (verification)
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -60,6 +60,9 @@ class Request:
     lora_wait_steps: int = 0  # steps skipped because no LoRA slot was free
     status: RequestStatus = RequestStatus.WAITING
     block_hashes: list[bytes] = field(default_factory=list)  # one per full block of all_token_ids
+    # speculative decoding: tokens proposed after the last one, verified in the next step that
+    # schedules this request as a decode (engine/spec/); taken (emptied) when scheduled
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

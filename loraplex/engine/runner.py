@@ -1,7 +1,9 @@
 """ModelRunner: turns a ``SchedulerOutput`` into tensors, runs the model, samples.
 
 One ``execute`` per engine step: copy-on-write block copies, flat batch construction (numpy, no
-per-token Python), one forward pass, logits for the sampling rows only, the sampler.
+per-token Python), one forward pass, logits for the sampling rows only, the sampler. A request
+with draft tokens (speculative decoding) has ``1 + k`` sampling rows, its last ones, and keeps
+the tokens ``rejection_sampler.py`` accepts.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from loraplex.engine.records import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from loraplex.engine.rejection_sampler import accept_drafts, verification_rows
 from loraplex.engine.sampler import Sampler, SampleRow
 
 logger = logging.getLogger(__name__)
@@ -241,13 +244,15 @@ class ModelRunner:
         row_of: dict[str, int] = {}
         rows: list[SampleRow] = []
         index: list[int] = []
+        drafts: dict[str, list[int]] = {}
         for i, r in enumerate(reqs):
-            row_of[r.request_id] = int(last_row[i])
+            last = int(last_row[i])
+            row_of[r.request_id] = last
             if r.sample:
-                rows.append(
-                    SampleRow(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids)
-                )
-                index.append(int(last_row[i]))
+                rows.extend(verification_rows(r))  # 1 + k rows: the request's last ones
+                index.extend(range(last - len(r.draft_token_ids), last + 1))
+                if r.draft_token_ids:
+                    drafts[r.request_id] = r.draft_token_ids
         for fork in out.forks:
             rows.append(
                 SampleRow(
@@ -268,6 +273,8 @@ class ModelRunner:
                 if row.request_id in out.token_masks
             }
         tokens, logprobs = self.sampler(logits, rows, masks)
+        if drafts:
+            return accept_drafts(rows, tokens, logprobs, drafts)
         sampled = {row.request_id: [tok] for row, tok in zip(rows, tokens, strict=True)}
         lps: dict[str, list[TokenLogprobs]] = {
             row.request_id: [lp] for row, lp in zip(rows, logprobs, strict=True) if lp is not None

@@ -5,7 +5,11 @@ temperature -> top-k -> top-p -> min-p -> sample. The mask comes first, as vLLM 
 grammar's bitmask before its sampler: a masked token is never sampled, and logprobs describe the
 distribution the token was drawn from. Sampling is the exponential race: ``argmax(probs / q)`` with
 ``q ~ Exp(1)`` draws a token with probability ``probs``, and lets a seeded row take its ``q``
-from its own generator, so its tokens do not depend on its batch neighbours or its row.
+from its own generator, so its tokens do not depend on its batch neighbours or its row. That
+generator is seeded from the request's seed and the output position the row samples, so a
+seeded request's token at a position depends on nothing else: not on how many rows it sampled
+before (speculative decoding verifies several positions in one step and discards the rows after
+a rejection, ``engine/spec/``), so its tokens are the same with speculation and without.
 
 Every branch is decided from the Python-side params, never from tensor values, so the device
 is only waited on by the ``tolist`` calls at the end.
@@ -235,13 +239,31 @@ class Sampler:
         return sampled
 
     def _generator(self, row: SampleRow) -> torch.Generator:
+        """The row's generator, seeded for the output position it samples."""
         gen = self._generators.get(row.request_id)
         if gen is None:
-            assert row.params.seed is not None
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(row.params.seed)
             self._generators[row.request_id] = gen
+        assert row.params.seed is not None
+        gen.manual_seed(position_seed(row.params.seed, len(row.output_token_ids)))
         return gen
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of output position ``position`` of a request seeded ``seed``: well
+    mixed, so that (seed, position + 1) and (seed + 1, position), the next position and the
+    next sample of an n > 1 request, draw unrelated noise."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 1  # torch takes < 2**63
 
 
 def _gather_logprobs(

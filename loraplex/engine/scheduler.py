@@ -37,6 +37,12 @@ compiled (``engine/structured.py`` holds it until then). ``update`` reports each
 to ``TokenConstraints.advance`` after the EOS and stop-token checks and before the length check:
 a constraint completed by the last allowed token is a "stop", one that fails ends that request
 alone with status ``FINISHED_ERROR``.
+
+Speculative decoding (``engine/spec/``): a decoding request may carry draft tokens
+(``Request.draft_token_ids``, set after ``update``); it is scheduled with them, within the token
+budget, and gets KV room for them (never registered in the prefix cache); when blocks are short
+its drafts are dropped before anyone is preempted. ``update`` appends the tokens the runner
+accepted and trims the rejected drafts' KV through ``rollback``.
 """
 
 from __future__ import annotations
@@ -249,16 +255,28 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, num_new):
+            drafts = self._take_drafts(req, num_new, budget)
+            while not self.kv.allocate_slots(req, num_new, num_lookahead_tokens=len(drafts)):
+                if drafts:  # no room for the drafts: decode without them before preempting
+                    drafts = []
+                    continue
                 victim = self.running.pop(self._victim(i))
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     return budget, preempted
-            scheduled.append(self._scheduled(req, num_new))
-            budget -= num_new
+            scheduled.append(self._scheduled(req, num_new, drafts))
+            budget -= num_new + len(drafts)
             i += 1
         return budget, preempted
+
+    def _take_drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
+        """The request's draft tokens for this step (emptied on the request): only for a decode
+        (one token to compute), within the token budget and below ``max_model_len``."""
+        drafts, req.draft_token_ids = req.draft_token_ids, []
+        if not drafts or num_new != 1 or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        return drafts[: min(budget - 1, self.max_model_len - req.num_tokens)]
 
     def _victim(self, first: int) -> int:
         index = self.waiting.preemption_victim(self.running, first)
@@ -360,11 +378,14 @@ class Scheduler:
                     forks.extend(self._fork(self.requests[s.request_id]))
         return forks
 
-    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(
+        self, req: Request, num_new: int, drafts: list[int] | None = None
+    ) -> ScheduledRequest:
         start = req.num_computed_tokens
+        token_ids = req.all_token_ids[start : start + num_new]
         return ScheduledRequest(
             request_id=req.request_id,
-            token_ids=req.all_token_ids[start : start + num_new],
+            token_ids=token_ids + drafts if drafts else token_ids,
             start_pos=start,
             block_table=self.kv.block_table(req.request_id),
             sample=start + num_new == req.num_tokens,
@@ -372,6 +393,7 @@ class Scheduler:
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
             lora_slot=self.slots.slot_of(req.lora_key),
+            draft_token_ids=drafts or [],
         )
 
     def _fork(self, leader: Request) -> list[ForkedSample]:
@@ -424,6 +446,10 @@ class Scheduler:
                 output = self._append(req, result, done)
                 outputs.append(output)
                 num_generated = len(output.new_token_ids)
+                if s.draft_token_ids and req.request_id not in done:
+                    # KV was computed for every draft; keep that of the accepted ones (the
+                    # tokens appended but the last), trim the rest
+                    self.rollback(req.request_id, req.num_tokens)
             served.append(Service(req, num_prompt, num_generated))
         for f in out.forks:
             req = self.requests[f.request_id]

@@ -10,9 +10,11 @@ Two sources:
   ``stats_timeout``): running and waiting requests, KV cache usage, prefix-cache queries and hits,
   preemptions, adapter loads, evictions and residency per tier, the device adapter pool's pages
   and bytes, where each adapter version is (``adapter_metrics.py``: labelled by registry version
-  id, capped), and per tenant what the scheduler gave it (``tenant_metrics.py``). When the
-  engine does not answer, the scrape still succeeds: ``loraplex_engine_healthy 0``, the
-  engine's gauges left out, its counters at their last known totals.
+  id, capped), speculative decoding's draft, accepted and emitted tokens and acceptance rate
+  (labelled by proposer ``method``), and per tenant what the scheduler gave it
+  (``tenant_metrics.py``). When the engine does not answer, the scrape still succeeds:
+  ``loraplex_engine_healthy 0``, the engine's gauges left out, its counters at their last known
+  totals.
 
 Labels are bounded. ``model`` is the served name the request resolved to (the base model or a
 loaded adapter), or ``_unresolved`` when it did not resolve: never the string the caller sent.
@@ -260,12 +262,35 @@ POOL_GAUGES = {
 # LoRAStats field -> tier of loraplex_adapters_resident ("disk": every adapter registered)
 RESIDENCY = {"resident_device": "device", "resident_host": "host", "registered": "disk"}
 
+# SpecDecodeStats field -> (counter without _total, help); labelled by the proposer's method
+SPEC_COUNTERS = {
+    "num_draft_tokens": (
+        "loraplex_spec_decode_draft_tokens",
+        "Draft tokens the target model verified (speculative decoding).",
+    ),
+    "num_accepted_tokens": (
+        "loraplex_spec_decode_accepted_tokens",
+        "Draft tokens the target model accepted.",
+    ),
+    "num_emitted_tokens": (
+        "loraplex_spec_decode_emitted_tokens",
+        "Tokens emitted by steps that verified drafts (accepted drafts plus one each).",
+    ),
+    "num_verifications": (
+        "loraplex_spec_decode_verifications",
+        "Request steps that verified at least one draft token.",
+    ),
+}
+
 
 def engine_value(stats: EngineStats, key: str) -> float | None:
     """The number ``key`` names in ``stats``: an ``EngineStats`` field, or ``lora_<field>`` of
     its LoRA part (None when the engine serves no adapters)."""
     if key.startswith("lora_"):
         return None if stats.lora is None else float(getattr(stats.lora, key[5:]))
+    if key.startswith("spec_"):
+        spec = stats.speculative
+        return None if spec is None else float(getattr(spec, key[5:]))
     return float(getattr(stats, key))
 
 
@@ -277,6 +302,7 @@ class EngineCollector:
         self.healthy = False
         self._stats: EngineStats | None = None
         self._restarts: int | None = None  # kept by the client: monotonic already
+        self._spec_method: str | None = None  # the proposer last seen (speculative decoding)
         self.totals: MonotonicTotals[str] = MonotonicTotals()
 
     def update(self, stats: EngineStats | None) -> None:
@@ -284,7 +310,10 @@ class EngineCollector:
         self._stats = stats
         if stats is not None:
             values = {c.key: engine_value(stats, c.key) for c in ENGINE_COUNTERS}
+            values |= {f"spec_{k}": engine_value(stats, f"spec_{k}") for k in SPEC_COUNTERS}
             kept = {k: v for k, v in values.items() if v is not None}
+            if stats.speculative is not None:
+                self._spec_method = stats.speculative.method
             self.totals.update(kept, stats.engine_restarts)
             self._restarts = stats.engine_restarts
 
@@ -348,3 +377,25 @@ class EngineCollector:
                 pool.add_metric(["free"], max(float(getattr(lora, whole)) - used, 0.0))
             if include_all or pool.samples:
                 yield pool
+        yield from self._spec_families(include_all)
+
+    def _spec_families(self, include_all: bool) -> Iterator[Metric]:
+        method = self._spec_method
+        if method is None and not include_all:
+            return
+        for key, (name, doc) in SPEC_COUNTERS.items():
+            family = CounterMetricFamily(name, doc, labels=["method"])
+            total = self.totals.total(f"spec_{key}")
+            if method is not None and total is not None:
+                family.add_metric([method], total)
+            yield family
+        rate = GaugeMetricFamily(
+            "loraplex_spec_decode_acceptance_rate",
+            "Draft tokens accepted over draft tokens verified (totals across engine restarts).",
+            labels=["method"],
+        )
+        drafted = self.totals.total("spec_num_draft_tokens")
+        if method is not None and drafted is not None:
+            accepted = self.totals.total("spec_num_accepted_tokens") or 0.0
+            rate.add_metric([method], accepted / drafted if drafted else 0.0)
+        yield rate

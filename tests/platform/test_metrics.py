@@ -12,6 +12,7 @@ import httpx
 import pytest
 from fastapi import Request
 
+from loraplex.engine.info import SpecDecodeStats
 from loraplex.platform.auth import SCOPE_INFERENCE, Caller
 from loraplex.platform.settings import ServerSettings
 from loraplex.server import create_app
@@ -317,6 +318,30 @@ async def test_an_engine_without_adapters_has_no_pool_series(
     m = await scrape(api)
     assert value(m, "loraplex_requests_running") == 1
     assert not [name for name, _ in m if name.startswith("loraplex_adapter")]
+
+
+async def test_speculative_decoding_counters_by_method_across_a_restart(
+    api: httpx.AsyncClient, fake: FakeEngineClient
+) -> None:
+    fake.engine_stats = dict(ENGINE_STATS)
+    m = await scrape(api)
+    assert not [k for k in m if k[0].startswith("loraplex_spec_decode")]  # no speculation
+    spec = SpecDecodeStats(
+        "ngram", num_verifications=10, num_draft_tokens=40, num_accepted_tokens=30,
+        num_emitted_tokens=38,
+    )  # fmt: skip
+    fake.engine_stats = dict(ENGINE_STATS, speculative=spec)
+    m = await scrape(api)
+    assert value(m, "loraplex_spec_decode_draft_tokens_total", method="ngram") == 40
+    assert value(m, "loraplex_spec_decode_accepted_tokens_total", method="ngram") == 30
+    assert value(m, "loraplex_spec_decode_emitted_tokens_total", method="ngram") == 38
+    assert value(m, "loraplex_spec_decode_verifications_total", method="ngram") == 10
+    assert value(m, "loraplex_spec_decode_acceptance_rate", method="ngram") == 0.75
+    restarted = SpecDecodeStats("ngram", num_verifications=1, num_draft_tokens=10)
+    fake.engine_stats = dict(ENGINE_STATS, speculative=restarted, engine_restarts=1)
+    m = await scrape(api)
+    assert value(m, "loraplex_spec_decode_draft_tokens_total", method="ngram") == 50
+    assert value(m, "loraplex_spec_decode_acceptance_rate", method="ngram") == 30 / 50
 
 
 async def test_a_dead_or_hung_engine_still_gets_scraped(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 
-from loraplex.engine.records import RunnerOutput, SchedulerOutput
+from loraplex.engine.records import RunnerOutput, ScheduledRequest, SchedulerOutput
 
 VOCAB = 1000
 
@@ -33,7 +33,8 @@ def reference_generate(prompt: list[int], max_tokens: int, seed: int = 0) -> lis
 class FakeRunner:
     """``tokens_per_step`` > 1 returns that many tokens per sampling row, each the "model's"
     next token after the ones before it (as a speculative step whose drafts were all accepted),
-    so the outputs stay those of ``reference_generate``."""
+    so the outputs stay those of ``reference_generate``. A request scheduled with draft tokens
+    is verified as the real runner does: the drafts the "model" agrees with, then its token."""
 
     def __init__(self, num_blocks: int, block_size: int, tokens_per_step: int = 1):
         self.block_size = block_size
@@ -70,12 +71,14 @@ class FakeRunner:
                     f"{s.request_id}: slot of position {pos} holds {stored_pos}"
                 )
                 context.append(tok)
-            known = s.prompt_token_ids + s.output_token_ids
+            known = s.prompt_token_ids + s.output_token_ids + s.draft_token_ids
             assert context == known[:end], f"{s.request_id}: the KV read back is not its tokens"
             last_context[s.request_id] = context
         sampled: dict[str, list[int]] = {}
         for s in out.requests:
-            if s.sample:
+            if s.sample and s.draft_token_ids:
+                sampled[s.request_id] = self._verify(s, last_context[s.request_id])
+            elif s.sample:
                 context = last_context[s.request_id]
                 sampled[s.request_id] = self._tokens(s.request_id, context, s.params.seed)
         for f in out.forks:
@@ -83,6 +86,17 @@ class FakeRunner:
             sampled[f.request_id] = self._tokens(f.request_id, context, f.params.seed)
         self.steps += 1
         return RunnerOutput(sampled=sampled)
+
+    def _verify(self, s: ScheduledRequest, context: list[int]) -> list[int]:
+        """The drafts at the end of ``context`` the model agrees with, then its next token."""
+        k = len(s.draft_token_ids)
+        known = context[: len(context) - k]
+        new: list[int] = []
+        for draft in [*s.draft_token_ids, None]:
+            new.append(next_token(known + new, s.params.seed or 0))
+            if new[-1] != draft:
+                break
+        return new
 
     def _tokens(self, request_id: str, context: list[int], seed: int | None) -> list[int]:
         context = list(context)

@@ -374,7 +374,8 @@ async def engine_state(
     client: ClientDep, store: StoreDep, caller: Caller = operator
 ) -> dict[str, Any]:
     """The engine now: running and waiting requests, KV cache use, prefix-cache hit rate,
-    adapters per tier (device slots, host cache, registered), each tenant's share (the fair
+    adapters per tier (device slots, host cache, registered), speculative decoding's counters
+    and acceptance rate, each tenant's share (the fair
     policy's counter, tokens served, requests, weight; by tenant id, with its name), and the
     whole snapshot. 503 with the reason when the engine does not answer."""
     try:
@@ -383,6 +384,7 @@ async def engine_state(
         raise engine_unavailable(exc.reason) from None
     names = await store.db.run(partial(tenants.tenant_names, ids=list(stats.tenants)))
     lora = stats.lora
+    spec = stats.speculative
     return {
         "object": "engine",
         "healthy": True,
@@ -398,6 +400,10 @@ async def engine_state(
             "host": lora.resident_host if lora else None,
             "registered": lora.registered if lora else None,
         },
+        # speculative decoding: None when off
+        "speculative": None
+        if spec is None
+        else dataclasses.asdict(spec) | {"acceptance_rate": spec.acceptance_rate},
         "tenants": [
             {"tenant_id": tid, "name": names.get(tid)} | dataclasses.asdict(share)
             for tid, share in sorted(stats.tenants.items())

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import insert
 
+from loraplex.engine.info import SpecDecodeStats
 from loraplex.platform import engine_state
 from loraplex.platform.db.models import Tenant, utcnow
 from tests.utils.tenancy import bearer
@@ -301,6 +302,13 @@ async def test_engine_state(tenancy: Any, monkeypatch: pytest.MonkeyPatch) -> No
     assert (state["running"], state["waiting"], state["kv_cache_usage"]) == (3, 1, 0.25)
     assert state["prefix_cache_hit_rate"] == 0.5
     assert state["adapters"] == {"device": 2, "host": 5, "registered": 9}
+    assert state["speculative"] is None  # no speculative decoding
+    env.fake.engine_stats["speculative"] = SpecDecodeStats(
+        "ngram", num_draft_tokens=10, num_accepted_tokens=4
+    )
+    state = (await env.http.get("/admin/api/engine", headers=env.admin_headers)).json()
+    assert state["speculative"]["method"] == "ngram"
+    assert state["speculative"]["acceptance_rate"] == 0.4
 
     monkeypatch.setattr(engine_state, "ENGINE_STATS_TIMEOUT_S", 0.05)
     env.fake.stats_delay = 1.0
