@@ -12,6 +12,9 @@ from tests.utils.models import make_tiny_model
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# A fixed thread count: the governor (tested alone on fake clocks) would change it under a
+# loaded test run, and so the order of float sums between engines a test compares token for token.
+os.environ.setdefault("LORAPLEX_THREAD_GOVERNOR", "0")
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.spec.build import build_proposer, build_spec_decoder
 from loraplex.engine.spec.decoder import SpecDecoder
 from loraplex.engine.structured import StructuredOutputs
+from loraplex.engine.thread_governor import ThreadGovernor
 from loraplex.grammar import GrammarBackend, LLGuidanceBackend
 from loraplex.lora.adapter import LoRAAdapter
 
@@ -114,6 +115,7 @@ class EngineCore:
             self.spec = build_spec_decoder(
                 config.speculative_config, proposer, self.runner.device.type, max_model_len
             )
+        self.governor = _thread_governor(self.runner.device.type)
 
     def _grammar_backend(self) -> GrammarBackend:
         """The default backend (on a compile thread, at the first constrained request)."""
@@ -179,12 +181,16 @@ class EngineCore:
             outputs += self._release_compiled()
             if not self.scheduler.has_unfinished_requests():
                 return outputs
+        if self.governor is not None:
+            self.governor.step_started()
         out = self.scheduler.schedule()
         self.structured.fill_masks(out)
         result = self.runner.execute(out)
         new = self.scheduler.update(out, result)
         if self.spec is not None:  # the next step's drafts
             self.spec.after_step(out, result, new, self.scheduler.running)
+        if self.governor is not None:
+            self.governor.step_finished()
         return outputs + new
 
     def _release_compiled(self) -> list[EngineCoreOutput]:
@@ -284,3 +290,19 @@ class EngineCore:
             registered=residency["disk"],
             residency=lora.tiers(),
         )
+
+
+GOVERNOR_ENV = "LORAPLEX_THREAD_GOVERNOR"
+
+
+def _thread_governor(device_type: str) -> ThreadGovernor | None:
+    """On the CPU with more than one thread: fewer threads while a neighbour holds the cores
+    (``engine/thread_governor.py``); ``LORAPLEX_THREAD_GOVERNOR=0`` keeps the count fixed."""
+    import os
+
+    import torch
+
+    if device_type != "cpu" or os.environ.get(GOVERNOR_ENV, "1").strip() == "0":
+        return None
+    threads = torch.get_num_threads()
+    return ThreadGovernor(threads, torch.set_num_threads) if threads > 1 else None
