@@ -245,6 +245,39 @@ def load_tokenizer_and_config(model_dir: str) -> tuple[Any, dict[str, Any]]:
     return AutoTokenizer.from_pretrained(model_dir), config.get("text_config", config)
 
 
+@dataclass(frozen=True)
+class LoadedWorkload:
+    """The model and ``bench throughput``'s seeded workload, as token ids."""
+
+    model_dir: str
+    tokenizer: Any
+    model_config: dict[str, Any]
+    workload: Workload
+    prompts: list[list[int]]  # token ids per request
+    output_lens: list[int]
+
+
+def load_throughput_workload(opts: ThroughputOptions) -> LoadedWorkload:
+    """Resolve the model, load its tokenizer and config, and encode the options' workload."""
+    from loraplex.bench.workload import encode, make_workload
+    from loraplex.engine.default_model import resolve_model_dir
+
+    model_dir = resolve_model_dir(opts.model)
+    tokenizer, model_config = load_tokenizer_and_config(model_dir)
+    workload = make_workload(
+        opts.num_requests,
+        opts.min_output,
+        opts.max_output,
+        min_words=opts.min_prompt_words,
+        max_words=opts.max_prompt_words,
+        seed=opts.seed,
+    )
+    prompts = [encode(tokenizer, p, chat=opts.chat) for p in workload.prompts]
+    return LoadedWorkload(
+        model_dir, tokenizer, model_config, workload, prompts, list(workload.output_lens)
+    )
+
+
 def reset_prefix_cache_for(llm: Any, opts: ThroughputOptions) -> bool:
     """True when ``llm`` holds no cached prefix of the timed prompts any more."""
     from loraplex.bench.systems import reset_prefix_cache

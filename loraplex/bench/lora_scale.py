@@ -39,7 +39,7 @@ from loraplex.bench.adapters import (
 from loraplex.bench.common import (
     Log,
     ThroughputOptions,
-    load_tokenizer_and_config,
+    load_throughput_workload,
     machine,
     options_json,
     reset_prefix_cache_for,
@@ -124,21 +124,16 @@ def run_lora_scale(opts: ThroughputOptions, say: Log) -> dict[str, Any]:
 
 def _run(opts: ThroughputOptions, say: Log, adapter_root: Path) -> dict[str, Any]:
     from loraplex import LoRARequest
-    from loraplex.engine.default_model import resolve_model_dir
 
-    model_dir = resolve_model_dir(opts.model)
-    tokenizer, model_config = load_tokenizer_and_config(model_dir)
-    shape = ModelShape.from_config(model_config)
-    workload = make_workload(
-        opts.num_requests,
-        opts.min_output,
-        opts.max_output,
-        min_words=opts.min_prompt_words,
-        max_words=opts.max_prompt_words,
-        seed=opts.seed,
+    loaded = load_throughput_workload(opts)
+    model_dir, tokenizer, prompts, lens = (
+        loaded.model_dir,
+        loaded.tokenizer,
+        loaded.prompts,
+        loaded.output_lens,
     )
-    prompts = [encode(tokenizer, p, chat=opts.chat) for p in workload.prompts]
-    lens = workload.output_lens
+    shape = ModelShape.from_config(loaded.model_config)
+    workload = loaded.workload
     registered = opts.registered
     ranks = adapter_ranks(registered, opts.ranks)
     vbytes = value_bytes(opts.engine.lora_dtype)

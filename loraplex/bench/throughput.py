@@ -22,7 +22,7 @@ from typing import Any
 from loraplex.bench.common import (
     Log,
     ThroughputOptions,
-    load_tokenizer_and_config,
+    load_throughput_workload,
     machine,
     options_json,
     reset_prefix_cache_for,
@@ -47,21 +47,16 @@ def run_throughput(opts: ThroughputOptions, log: Log | None = None) -> dict[str,
     from loraplex.bench import report
     from loraplex.bench.peak import measure_fp32_peak_gflops
     from loraplex.bench.systems import HFBaseline, build_llm, run_loraplex, warm_up_loraplex
-    from loraplex.engine.default_model import resolve_model_dir
 
-    model_dir = resolve_model_dir(opts.model)
-    tokenizer, model_config = load_tokenizer_and_config(model_dir)
-    shape = ModelShape.from_config(model_config)
-    workload = make_workload(
-        opts.num_requests,
-        opts.min_output,
-        opts.max_output,
-        min_words=opts.min_prompt_words,
-        max_words=opts.max_prompt_words,
-        seed=opts.seed,
+    loaded = load_throughput_workload(opts)
+    model_dir, tokenizer, prompts, lens = (
+        loaded.model_dir,
+        loaded.tokenizer,
+        loaded.prompts,
+        loaded.output_lens,
     )
-    prompts = [encode(tokenizer, p, chat=opts.chat) for p in workload.prompts]
-    lens = workload.output_lens
+    shape = ModelShape.from_config(loaded.model_config)
+    workload = loaded.workload
     hf_n = min(opts.hf_max_requests or opts.num_requests, opts.num_requests)
 
     say(f"model: {model_dir}")
