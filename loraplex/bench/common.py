@@ -222,6 +222,7 @@ class ThroughputOptions:
         argv += [f"--num-blocks={knobs['num_blocks']}"] if knobs["num_blocks"] else []
         argv += [] if knobs["enable_prefix_caching"] else ["--no-enable-prefix-caching"]
         argv += [f"--attention-backend={knobs['attention_backend']}"]
+        argv += [f"--lora-dtype={knobs['lora_dtype']}"] if knobs["lora_dtype"] != "auto" else []
         argv += ["--enforce-eager"] if knobs["enforce_eager"] else []
         argv += ["--chat"] if self.chat else []
         argv += ["--skip-hf"] if self.skip_hf else []

@@ -62,12 +62,14 @@ def test_a_list_of_adapter_counts_is_a_sweep_without_peft() -> None:
 def test_the_reproduce_line_parses_back_to_the_same_run() -> None:
     def view(o: ThroughputOptions) -> tuple[object, ...]:
         return (o.counts, o.run_systems, o.dist, o.powerlaw_alpha, o.ranks, o.registered,
-                o.max_loras, o.max_cpu_loras, o.lora_memory, o.pool_adapters)  # fmt: skip
+                o.max_loras, o.max_cpu_loras, o.lora_memory, o.pool_adapters,
+                o.engine.lora_dtype)  # fmt: skip
 
     for argv in (
         ["--num-adapters", "256", "--adapter-dist", "powerlaw", "--pool-adapters", "64",
          "--adapter-ranks", "4,8", "--max-cpu-loras", "300"],
         ["--num-adapters", "1,2", "--lora-memory", "2GiB", "--max-loras", "2"],
+        ["--num-adapters", "32,64", "--lora-dtype", "float16"],
     ):  # fmt: skip
         opts = _options(argv)
         again = _options(shlex.split(opts.command_line())[3:])
