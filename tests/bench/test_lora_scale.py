@@ -37,8 +37,11 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _options(argv: list[str]) -> ThroughputOptions:
+    from loraplex.bench.systems import BENCH_KNOBS, EngineArgs
+
     args = build_parser().parse_args(["bench", "throughput", *argv])
-    return ThroughputOptions(**adapter_options_from(args))
+    engine = EngineArgs({k: v for k in BENCH_KNOBS if (v := getattr(args, k)) is not None})
+    return ThroughputOptions(**adapter_options_from(args), engine=engine)
 
 
 def test_a_list_of_adapter_counts_is_a_sweep_without_peft() -> None:
