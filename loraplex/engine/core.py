@@ -268,16 +268,16 @@ class EngineCore:
             return None
         residency = lora.residency()
         usage = lora.pool_usage()
-        evictions = 0 if lora.pool is None else lora.pool.counters.evictions
+        pool = lora.pool.counters if lora.pool is not None else None
         return LoRAStats(
             disk_loads=lora.stats.disk_loads,
             host_hits=lora.stats.host_hits,
             host_evictions=lora.stats.host_evictions,
             slot_loads=lora.stats.slot_loads,
             slot_hits=lora.stats.slot_hits,
-            slot_evictions=evictions,
+            slot_evictions=0 if pool is None else pool.evictions,
             load_waits=lora.stats.load_waits,
-            loads_deferred=lora.stats.loads_deferred,
+            loads_deferred=0 if pool is None else pool.deferred,
             load_bytes=lora.stats.load_bytes,
             loads_in_flight=usage["loading"],
             pool_pages=usage["pages"],

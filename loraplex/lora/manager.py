@@ -49,10 +49,9 @@ class LoRAStats:
     host_evictions: int = 0
     slot_loads: int = 0  # adapters copied into the device pool
     slot_hits: int = 0  # steps that found their adapter resident and in its slot already
-    slot_evictions: int = 0  # adapters evicted from the device pool to make room
     load_waits: int = 0  # steps that had to wait for an adapter copy (the scheduler avoids it)
-    loads_deferred: int = 0  # loads put off: the pool was full of adapters in use or pinned
     load_bytes: int = 0  # bytes copied into the pool
+    # Evictions and deferred loads are the pool's to count (``pool.counters``).
 
 
 class LoRAModel(Protocol):
@@ -375,8 +374,7 @@ class LoRAManager:
         if key in self._failed or key not in self._sources:
             return True  # activate() raises the error for the step, as a synchronous load would
         res = pool.reserve(key, self._ranks[key], in_use)
-        if res is None:
-            self.stats.loads_deferred += 1
+        if res is None:  # counted by the pool as deferred
             return False
         adapter = self._host.get(key)
         if adapter is not None:

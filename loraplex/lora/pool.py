@@ -39,17 +39,13 @@ class Residency:
     state: PageState = "loading"
     generation: int = 0  # bumped by every load: a slot whose generation differs is stale
 
-    @property
-    def num_pages(self) -> int:
-        return sum(len(p) for p in self.pages.values())
-
 
 @dataclass
 class PoolCounters:
-    loads: int = 0  # adapters whose pages were reserved and filled
+    """What the pool decides (loads and their bytes are the manager's, which copies)."""
+
     evictions: int = 0  # ready adapters dropped to make room
     deferred: int = 0  # reservations refused: no room without evicting an adapter in use
-    load_pages: int = 0  # pages written by loads
 
 
 class PagePool:
@@ -164,10 +160,7 @@ class AdapterPool:
         return res
 
     def mark_ready(self, key: str) -> None:
-        res = self._resident[key]
-        res.state = "ready"
-        self.counters.loads += 1
-        self.counters.load_pages += res.num_pages
+        self._resident[key].state = "ready"
 
     def evict(self, key: str, count: bool = True) -> Residency | None:
         """Drop ``key``'s pages (the caller makes sure no running request reads them);
