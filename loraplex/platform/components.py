@@ -25,7 +25,8 @@ from loraplex.platform.auth import Authenticator, OperatorKeyAuthenticator
 from loraplex.platform.metrics import PlatformMetrics
 from loraplex.platform.model_resolver import ModelResolver, ServedName
 from loraplex.platform.openai.serving import OpenAIServing, ServingConfig
-from loraplex.platform.quotas import QuotaManager
+from loraplex.platform.quota_db import DatabaseQuotaStore
+from loraplex.platform.quotas import QuotaManager, QuotaStore
 from loraplex.platform.registry.resolver import RegistryModels
 from loraplex.platform.registry.service import Registry
 from loraplex.platform.request_log import RecordObserver
@@ -53,7 +54,10 @@ class Tenancy:
     def build(cls, store: Store, client: EngineClient, base_name: ServedName) -> Tenancy:
         registry = Registry(store, client, base_name)
         registry.recover()  # before the first request: what a crash left behind
-        quotas = QuotaManager(store.db)
+        quota_store: QuotaStore | None = None
+        if store.settings.shares_state:  # replicas: one window per tenant, in the database
+            quota_store = DatabaseQuotaStore(store.db, lease_ttl=store.settings.quota_lease_ttl_s)
+        quotas = QuotaManager(store.db, store=quota_store)
         return cls(
             store=store,
             quotas=quotas,
@@ -153,6 +157,9 @@ class Platform:
                 background = [
                     asyncio.create_task(retention, name="usage-retention"),
                     asyncio.create_task(tenants.refresh_weights_forever(), name="tenant-weights"),
+                    asyncio.create_task(
+                        self.tenancy.quotas.store.maintain_forever(), name="quota-upkeep"
+                    ),
                 ]
             yield
         finally:
@@ -160,6 +167,7 @@ class Platform:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             if self.tenancy is not None:
+                await self.tenancy.quotas.store.close()
                 await self.tenancy.usage.close()
             if own_client:
                 await self.client.shutdown()

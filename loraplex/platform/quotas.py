@@ -15,22 +15,24 @@ The limits, per tenant, over a sliding window of the last ``window`` (60) second
 * **tokens/minute**: a request is admitted while the tenant's tokens in the window, counting the
   *actual* prompt + completion tokens of finished requests (charged when they finish) plus the
   *estimates* (prompt tokens + max_tokens) of requests still in flight, are below ``limit``. On
-  finishing, the estimate is replaced by the actual count (never more). So the limit is exceeded
-  by at most the last admitted request; a single request larger than the limit is admitted only
-  into an empty window.
-* **concurrent requests**: a counter of leases not yet finished.
+  finishing, the estimate is replaced by the actual count. So the limit is exceeded by at most
+  the last admitted request; a single request larger than the limit is admitted only into an
+  empty window.
+* **concurrent requests**: the number of leases not yet finished.
 
 Rejected requests change nothing. The operator (``tenant_id`` None) is never limited.
 
-The state lives in this process: with several platform replicas each would enforce the limits
-separately (a tenant would get up to ``replicas ×`` its limits); they would need a shared store
-(Redis, or the database) to enforce one limit together.
+Where the state lives is a ``QuotaStore``: ``MemoryQuotaStore`` (this process; the default of a
+single server on SQLite) or ``loraplex.platform.quota_db.DatabaseQuotaStore`` (a table every
+platform replica on one database shares, so a tenant's limits hold across all of them). Both
+compute a ``Window`` and leave the decision and the headers to ``refusal`` and ``rate_headers``
+here, so the two enforce the same rules, word for word.
 
-Cost: admission is O(1) amortized (expired entries are popped from the left of the window
+Memory cost: admission is O(1) amortized (expired entries are popped from the left of the window
 deques; each entry is pushed and popped once); computing ``Retry-After`` for a tokens/minute
-refusal walks the tenant's finished requests of the last minute. The checks run without an
-``await`` between test and update, so on the event loop they are atomic; the only lock is the
-per-tenant one that makes a cold limits lookup hit the database once, not once per request.
+refusal walks the tenant's finished requests of the last minute. The memory store's checks run
+without an ``await`` between test and update, so on the event loop they are atomic; the only lock
+is the per-tenant one that makes a cold limits lookup hit the database once, not once per request.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from sqlalchemy.orm import Session
 
@@ -75,6 +78,155 @@ class Limits:
             tenant.name,
         )
 
+    @property
+    def unlimited(self) -> bool:
+        return (
+            self.requests_per_minute is None
+            and self.tokens_per_minute is None
+            and self.max_concurrent_requests is None
+        )
+
+
+# ---- the rules, on a snapshot of one tenant's window ------------------------------------------
+
+
+@dataclass(frozen=True)
+class Window:
+    """One tenant's quota state at ``now``, as the rules read it (any store builds one).
+
+    ``rpm_edge``: the admission time of the ``requests_per_minute``-th newest admission in the
+    window (the one that must leave it for one more to fit); None when there are fewer.
+    ``finished``: (finished at, tokens > 0) of the requests finished in the window, oldest
+    first; called only to compute a tokens/minute refusal's ``Retry-After``.
+    """
+
+    requests: int  # admissions in the window
+    rpm_edge: float | None
+    newest_request: float | None
+    tokens_used: int  # actual tokens of the requests finished in the window
+    newest_tokens: float | None  # when the newest of those finished
+    reserved: int  # estimates of the requests in flight
+    in_flight: int
+    finished: Callable[[], Iterable[tuple[float, int]]]
+
+    def admitting(self, now: float, estimate: int) -> Window:
+        """The window once a request of ``estimate`` tokens is admitted at ``now``."""
+        return replace(
+            self,
+            requests=self.requests + 1,
+            newest_request=now,
+            reserved=self.reserved + estimate,
+            in_flight=self.in_flight + 1,
+        )
+
+
+def refusal(window: Window, limits: Limits, now: float, span: float) -> APIError | None:
+    """The 429 that ``limits`` give a new request on ``window`` at ``now``; None: admit it."""
+    who = f"Tenant {limits.tenant_name!r}" if limits.tenant_name else "This tenant"
+    cap = limits.max_concurrent_requests
+    if cap is not None and window.in_flight >= cap:
+        return _refuse(
+            window, limits, now, span, 1, "requests",
+            f"{who} already has {window.in_flight} requests in progress, its limit of "
+            f"concurrent requests ({cap}); retry when one finishes, or ask the operator to "
+            "raise max_concurrent_requests.",
+        )  # fmt: skip
+    rpm = limits.requests_per_minute
+    if rpm is not None and window.requests >= rpm:
+        edge = window.rpm_edge
+        wait = edge + span - now if rpm > 0 and edge is not None else span
+        retry = _ceil_s(wait)
+        return _refuse(
+            window, limits, now, span, retry, "requests",
+            f"{who} reached its limit of {rpm} requests per minute; retry in {retry} s "
+            "(Retry-After), or ask the operator to raise requests_per_minute.",
+        )  # fmt: skip
+    tpm = limits.tokens_per_minute
+    if tpm is not None and window.tokens_used + window.reserved >= tpm:
+        retry = _tokens_retry(window, tpm, now, span)
+        return _refuse(
+            window, limits, now, span, retry, "tokens",
+            f"{who} reached its limit of {tpm} tokens per minute (used "
+            f"{window.tokens_used}, {window.reserved} held by requests in progress); "
+            f"retry in {retry} s (Retry-After), send a smaller max_tokens, or ask the "
+            "operator to raise tokens_per_minute.",
+        )  # fmt: skip
+    return None
+
+
+def _tokens_retry(window: Window, tpm: int, now: float, span: float) -> int:
+    """Seconds until enough finished requests leave the window for one more request (an upper
+    bound: requests in progress only ever give tokens back). When the estimates of requests in
+    progress fill the limit alone, 1: they free it as they finish."""
+    excess = window.tokens_used + window.reserved - tpm  # >= 0: must drop below 0
+    if window.reserved >= tpm:
+        return 1
+    freed = 0
+    for at, n in window.finished():
+        freed += n
+        if freed > excess:
+            return _ceil_s(at + span - now)
+    return _ceil_s(span)  # unreachable: every finished entry expires in time
+
+
+def _refuse(
+    window: Window, limits: Limits, now: float, span: float, retry: int, kind: str, msg: str
+) -> APIError:
+    error = rate_limited(msg, retry, kind)
+    error.headers = {**(error.headers or {}), **rate_headers(window, limits, now, span)}
+    return error
+
+
+def rate_headers(window: Window, limits: Limits, now: float, span: float) -> dict[str, str]:
+    """OpenAI's ``x-ratelimit-*`` for the limits the tenant has. ``reset``: the time until the
+    window is back to its initial state (the newest entry leaves it)."""
+    headers: dict[str, str] = {}
+    rpm = limits.requests_per_minute
+    if rpm is not None:
+        newest = window.newest_request
+        reset = newest + span - now if newest is not None else 0.0
+        headers["x-ratelimit-limit-requests"] = str(rpm)
+        headers["x-ratelimit-remaining-requests"] = str(max(0, rpm - window.requests))
+        headers["x-ratelimit-reset-requests"] = format_duration(reset)
+    tpm = limits.tokens_per_minute
+    if tpm is not None:
+        used = window.tokens_used + window.reserved
+        newest = window.newest_tokens
+        reset = newest + span - now if newest is not None else 0.0
+        headers["x-ratelimit-limit-tokens"] = str(tpm)
+        headers["x-ratelimit-remaining-tokens"] = str(max(0, tpm - used))
+        headers["x-ratelimit-reset-tokens"] = format_duration(reset)
+    return headers
+
+
+# ---- where the state lives ---------------------------------------------------------------------
+
+
+class QuotaStore(Protocol):
+    """The admission state of every tenant. ``admit`` raises the 429 of ``refusal`` or takes
+    the request (atomically with its check) and returns a handle and the ``x-ratelimit-*``
+    headers; ``release`` is called once per handle (from the event loop, without waiting)."""
+
+    async def admit(
+        self, tenant_id: int, limits: Limits, estimate: int
+    ) -> tuple[object, dict[str, str]]: ...
+
+    def release(self, handle: object, actual_tokens: int) -> None: ...
+
+    def in_flight(self, tenant_id: int) -> int:
+        """This process's leases of the tenant not yet finished."""
+        ...
+
+    def forget(self, tenant_id: int) -> None: ...
+
+    async def maintain_forever(self) -> None:
+        """What the store does in the background while serving (returns when nothing)."""
+        ...
+
+    async def close(self) -> None:
+        """Finish what ``release`` started (shutdown; tests)."""
+        ...
+
 
 @dataclass
 class _TenantState:
@@ -82,9 +234,6 @@ class _TenantState:
     ``tokens_in_window == sum(n for _, n in tokens)``; ``reserved`` is the sum of the estimates
     of unfinished leases, ``in_flight`` their number."""
 
-    limits: Limits = Limits()
-    limits_until: float = -math.inf
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     requests: deque[float] = field(default_factory=deque)
     tokens: deque[tuple[float, int]] = field(default_factory=deque)
     tokens_in_window: int = 0
@@ -100,19 +249,102 @@ class _TenantState:
         while tokens and tokens[0][0] <= horizon:
             self.tokens_in_window -= tokens.popleft()[1]
 
+    def view(self, rpm: int | None) -> Window:
+        requests = self.requests
+        edge = requests[-rpm] if rpm and len(requests) >= rpm else None
+        return Window(
+            requests=len(requests),
+            rpm_edge=edge,
+            newest_request=requests[-1] if requests else None,
+            tokens_used=self.tokens_in_window,
+            newest_tokens=self.tokens[-1][0] if self.tokens else None,
+            reserved=self.reserved,
+            in_flight=self.in_flight,
+            finished=lambda: self.tokens,
+        )
+
+
+@dataclass(frozen=True)
+class _MemoryHandle:
+    state: _TenantState
+    estimate: int
+
+
+class MemoryQuotaStore:
+    """Quota state in this process's memory: exact for one server; with several platform
+    replicas each would enforce the limits alone (use ``DatabaseQuotaStore`` there).
+
+    ``clock``: monotonic seconds (tests pass a fake one)."""
+
+    def __init__(
+        self, *, window: float = WINDOW_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.window = window
+        self.clock = clock
+        self._tenants: dict[int, _TenantState] = {}
+
+    def _state(self, tenant_id: int) -> _TenantState:
+        state = self._tenants.get(tenant_id)
+        if state is None:
+            state = self._tenants[tenant_id] = _TenantState()
+        return state
+
+    async def admit(
+        self, tenant_id: int, limits: Limits, estimate: int
+    ) -> tuple[object, dict[str, str]]:
+        # No await in here: the test and the update below are atomic on the event loop.
+        state = self._state(tenant_id)
+        now = self.clock()
+        state.expire(now, self.window)
+        error = refusal(state.view(limits.requests_per_minute), limits, now, self.window)
+        if error is not None:
+            raise error
+        state.requests.append(now)
+        state.reserved += estimate
+        state.in_flight += 1
+        headers = rate_headers(state.view(None), limits, now, self.window)
+        return _MemoryHandle(state, estimate), headers
+
+    def release(self, handle: object, actual_tokens: int) -> None:
+        assert isinstance(handle, _MemoryHandle)
+        state, now = handle.state, self.clock()
+        state.in_flight -= 1
+        state.reserved -= handle.estimate
+        if actual_tokens:
+            state.tokens.append((now, actual_tokens))
+            state.tokens_in_window += actual_tokens
+        state.expire(now, self.window)
+
+    def in_flight(self, tenant_id: int) -> int:
+        state = self._tenants.get(tenant_id)
+        return state.in_flight if state is not None else 0
+
+    def forget(self, tenant_id: int) -> None:
+        """Drop a deleted tenant's state (its open leases release into the dropped state)."""
+        self._tenants.pop(tenant_id, None)
+
+    async def maintain_forever(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+# ---- the manager ---------------------------------------------------------------------------------
+
 
 class Lease:
     """An admitted request's hold on its tenant's quotas, until ``finish``."""
 
     def __init__(
         self,
-        manager: QuotaManager | None,
-        state: _TenantState | None,
+        store: QuotaStore | None,
+        handle: object,
         estimated_tokens: int,
         headers: dict[str, str],
     ) -> None:
-        self._manager = manager
-        self._state = state
+        self._store = store
+        self._handle = handle
         self.estimated_tokens = estimated_tokens
         self.headers = headers  # x-ratelimit-* at admission; may go on the response
         self.finished = False
@@ -123,24 +355,33 @@ class Lease:
         if self.finished:
             return
         self.finished = True
-        if self._manager is not None and self._state is not None:
-            self._manager._release(self._state, self.estimated_tokens, max(0, actual_tokens))
+        if self._store is not None:
+            self._store.release(self._handle, max(0, actual_tokens))
 
     def finish_record(self, record: RequestRecord) -> None:
         self.finish(record.prompt_tokens + record.completion_tokens)
 
 
+@dataclass
+class _LimitsEntry:
+    limits: Limits = Limits()
+    until: float = -math.inf
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
 class QuotaManager:
-    """Admission control for every tenant of one platform process (see the module docstring).
+    """Admission control for every tenant (see the module docstring).
 
     ``db``: where tenants' limits are read (None: only ``limits=`` given to ``admit``).
-    ``clock``: monotonic seconds (tests pass a fake one).
+    ``store``: where the windows live (default: ``MemoryQuotaStore`` on ``clock``).
+    ``clock``: monotonic seconds for the limits cache and the default store (tests fake it).
     """
 
     def __init__(
         self,
         db: Database | None,
         *,
+        store: QuotaStore | None = None,
         window: float = WINDOW_S,
         limits_ttl: float = LIMITS_TTL_S,
         clock: Callable[[], float] = time.monotonic,
@@ -149,42 +390,40 @@ class QuotaManager:
         self.window = window
         self.limits_ttl = limits_ttl
         self.clock = clock
-        self._tenants: dict[int, _TenantState] = {}
+        self.store: QuotaStore = store or MemoryQuotaStore(window=window, clock=clock)
+        self._limits: dict[int, _LimitsEntry] = {}
         self._by_record: dict[int, Lease] = {}  # id(RequestRecord) -> its lease, while open
 
     # ---- limits ------------------------------------------------------------------------------
 
-    def _state(self, tenant_id: int) -> _TenantState:
-        state = self._tenants.get(tenant_id)
-        if state is None:
-            state = self._tenants[tenant_id] = _TenantState()
-        return state
-
     async def limits(self, tenant_id: int) -> Limits:
         """The tenant's limits, read from its row at most every ``limits_ttl`` seconds."""
-        state = self._state(tenant_id)
-        if self.clock() < state.limits_until or self.db is None:
-            return state.limits
-        async with state.lock:  # one lookup per tenant, however many requests wait for it
-            if self.clock() >= state.limits_until:
+        entry = self._limits.get(tenant_id)
+        if entry is None:
+            entry = self._limits[tenant_id] = _LimitsEntry()
+        if self.clock() < entry.until or self.db is None:
+            return entry.limits
+        async with entry.lock:  # one lookup per tenant, however many requests wait for it
+            if self.clock() >= entry.until:
 
                 def load(session: Session) -> Limits:
                     tenant = session.get(Tenant, tenant_id)
                     return Limits.of(tenant) if tenant is not None else Limits()
 
-                state.limits = await self.db.run(load)
-                state.limits_until = self.clock() + self.limits_ttl
-        return state.limits
+                entry.limits = await self.db.run(load)
+                entry.until = self.clock() + self.limits_ttl
+        return entry.limits
 
     def invalidate(self, tenant_id: int) -> None:
         """Read the tenant's limits again on its next request (after a quota change)."""
-        state = self._tenants.get(tenant_id)
-        if state is not None:
-            state.limits_until = -math.inf
+        entry = self._limits.get(tenant_id)
+        if entry is not None:
+            entry.until = -math.inf
 
     def forget(self, tenant_id: int) -> None:
-        """Drop a deleted tenant's state (its open leases release into the dropped state)."""
-        self._tenants.pop(tenant_id, None)
+        """Drop a deleted tenant's state."""
+        self._limits.pop(tenant_id, None)
+        self.store.forget(tenant_id)
 
     # ---- admission ---------------------------------------------------------------------------
 
@@ -204,16 +443,9 @@ class QuotaManager:
         tenant_id = int(caller.tenant_id)
         if limits is None:
             limits = await self.limits(tenant_id)
-        # No await from here on: the test and the update below are atomic on the event loop.
-        state = self._state(tenant_id)
-        now = self.clock()
-        state.expire(now, self.window)
         estimate = max(0, int(estimated_tokens))
-        self._check(state, limits, now)
-        state.requests.append(now)
-        state.reserved += estimate
-        state.in_flight += 1
-        lease = Lease(self, state, estimate, self._headers(state, limits, now))
+        handle, headers = await self.store.admit(tenant_id, limits, estimate)
+        lease = Lease(self.store, handle, estimate, headers)
         if record is not None:
             self._by_record[id(record)] = lease
         return lease
@@ -225,88 +457,7 @@ class QuotaManager:
             lease.finish_record(record)
 
     def in_flight(self, tenant_id: int) -> int:
-        state = self._tenants.get(tenant_id)
-        return state.in_flight if state is not None else 0
-
-    def _release(self, state: _TenantState, estimate: int, actual: int) -> None:
-        now = self.clock()
-        state.in_flight -= 1
-        state.reserved -= estimate
-        if actual:
-            state.tokens.append((now, actual))
-            state.tokens_in_window += actual
-        state.expire(now, self.window)
-
-    def _check(self, state: _TenantState, limits: Limits, now: float) -> None:
-        who = f"Tenant {limits.tenant_name!r}" if limits.tenant_name else "This tenant"
-        cap = limits.max_concurrent_requests
-        if cap is not None and state.in_flight >= cap:
-            raise self._refuse(
-                state, limits, now, 1, "requests",
-                f"{who} already has {state.in_flight} requests in progress, its limit of "
-                f"concurrent requests ({cap}); retry when one finishes, or ask the operator to "
-                "raise max_concurrent_requests.",
-            )  # fmt: skip
-        rpm = limits.requests_per_minute
-        if rpm is not None and len(state.requests) >= rpm:
-            # The request that must leave the window for one more to fit.
-            wait = state.requests[-rpm] + self.window - now if rpm > 0 else self.window
-            retry = _ceil_s(wait)
-            raise self._refuse(
-                state, limits, now, retry, "requests",
-                f"{who} reached its limit of {rpm} requests per minute; retry in {retry} s "
-                "(Retry-After), or ask the operator to raise requests_per_minute.",
-            )  # fmt: skip
-        tpm = limits.tokens_per_minute
-        if tpm is not None and state.tokens_in_window + state.reserved >= tpm:
-            retry = self._tokens_retry(state, tpm, now)
-            raise self._refuse(
-                state, limits, now, retry, "tokens",
-                f"{who} reached its limit of {tpm} tokens per minute (used "
-                f"{state.tokens_in_window}, {state.reserved} held by requests in progress); "
-                f"retry in {retry} s (Retry-After), send a smaller max_tokens, or ask the "
-                "operator to raise tokens_per_minute.",
-            )  # fmt: skip
-
-    def _tokens_retry(self, state: _TenantState, tpm: int, now: float) -> int:
-        """Seconds until enough finished requests leave the window for one more request (an
-        upper bound: requests in progress only ever give tokens back). When the estimates of
-        requests in progress fill the limit alone, 1: they free it as they finish."""
-        excess = state.tokens_in_window + state.reserved - tpm  # >= 0: must drop below 0
-        if state.reserved >= tpm:
-            return 1
-        freed = 0
-        for at, n in state.tokens:
-            freed += n
-            if freed > excess:
-                return _ceil_s(at + self.window - now)
-        return _ceil_s(self.window)  # unreachable: every finished entry expires in time
-
-    def _refuse(
-        self, state: _TenantState, limits: Limits, now: float, retry: int, kind: str, msg: str
-    ) -> APIError:
-        error = rate_limited(msg, retry, kind)
-        error.headers = {**(error.headers or {}), **self._headers(state, limits, now)}
-        return error
-
-    def _headers(self, state: _TenantState, limits: Limits, now: float) -> dict[str, str]:
-        """OpenAI's ``x-ratelimit-*`` for the limits the tenant has. ``reset``: the time until
-        the window is back to its initial state (the newest entry leaves it)."""
-        headers: dict[str, str] = {}
-        rpm = limits.requests_per_minute
-        if rpm is not None:
-            reset = state.requests[-1] + self.window - now if state.requests else 0.0
-            headers["x-ratelimit-limit-requests"] = str(rpm)
-            headers["x-ratelimit-remaining-requests"] = str(max(0, rpm - len(state.requests)))
-            headers["x-ratelimit-reset-requests"] = format_duration(reset)
-        tpm = limits.tokens_per_minute
-        if tpm is not None:
-            used = state.tokens_in_window + state.reserved
-            reset = state.tokens[-1][0] + self.window - now if state.tokens else 0.0
-            headers["x-ratelimit-limit-tokens"] = str(tpm)
-            headers["x-ratelimit-remaining-tokens"] = str(max(0, tpm - used))
-            headers["x-ratelimit-reset-tokens"] = format_duration(reset)
-        return headers
+        return self.store.in_flight(tenant_id)
 
 
 def _ceil_s(seconds: float) -> int:

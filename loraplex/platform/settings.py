@@ -6,7 +6,7 @@ multi-tenant platform (database, data directory, uploads, usage retention).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -82,7 +82,30 @@ class TenancySettings(BaseSettings):
         2, ge=1, le=256, description="uploads received and validated at once; more get 429"
     )
     usage_retention_days: int = Field(30, ge=1, description="raw usage rows; roll-ups stay")
+    shared_state: Literal["auto", "local", "database"] = Field(
+        "auto",
+        description="where quota windows, admin UI sessions and adapter files live: 'local' "
+        "(this process and its data dir: one server), 'database' (shared by every platform "
+        "replica on the database); auto = database unless the database is SQLite",
+    )
+    replica_poll_s: float = Field(
+        1.0, gt=0, le=60, description="how often a replica reads the change feed (shared state)"
+    )
+    quota_lease_ttl_s: float = Field(
+        30.0,
+        ge=1,
+        le=3600,
+        description="a dead replica's in-flight requests stop counting against concurrency "
+        "after this (live replicas renew theirs every third of it)",
+    )
 
     @property
     def resolved_database_url(self) -> str:
         return self.database_url or sqlite_url(self.data_dir / "loraplex.db")
+
+    @property
+    def shares_state(self) -> bool:
+        """Whether quotas, sessions and adapter files go through the database (replicas)."""
+        if self.shared_state == "auto":
+            return not self.resolved_database_url.startswith("sqlite")
+        return self.shared_state == "database"

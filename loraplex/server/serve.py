@@ -101,6 +101,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     opt("--data-dir", None, help="database and adapter files (default ~/.local/share/loraplex)")
     opt("--database-url", None, help="any SQLAlchemy URL (default: SQLite in --data-dir)")
+    opt(
+        "--shared-state",
+        None,
+        choices=("auto", "local", "database"),
+        help="where quota windows, admin sessions and adapter files live: 'database' lets "
+        "several `serve` replicas share one database (default auto: database unless SQLite)",
+    )
     p.add_argument(
         "--migrate",
         action=argparse.BooleanOptionalAction,
@@ -169,6 +176,7 @@ async def _open_platform(args: argparse.Namespace) -> Any:
     overrides: dict[str, Any] = {
         "data_dir": args.data_dir,
         "database_url": args.database_url,
+        "shared_state": args.shared_state,
         "share_prefix_cache": args.share_prefix_cache or None,
     }
     if args.api_key is not None and not os.environ.get(ENV_PREFIX + "ADMIN_TOKEN"):

@@ -52,10 +52,10 @@ def test_schema_tenants_keys_and_token_from_the_shell(
     assert code == 1 and "loraplex db upgrade" in one_error_line(err)
 
     code, out, _ = cli(capsys, "db", "upgrade", *url)
-    assert code == 0 and "from empty to 0002" in out
-    assert migrate.current(empty_database_url) == "0002"
+    assert code == 0 and "from empty to 0003" in out
+    assert migrate.current(empty_database_url) == "0003"
     code, out, _ = cli(capsys, "db", "current", *url)
-    assert out.startswith("0002 (up to date)")
+    assert out.startswith("0003 (up to date)")
 
     code, out, _ = cli(
         capsys, "admin", "tenant", "create", "acme", "--display-name", "Acme Corp",

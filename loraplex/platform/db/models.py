@@ -9,6 +9,13 @@ Ownership::
     AuditEvent                              (every change, by anyone; outlives what it names)
     PlatformSetting                         (key/value: the admin token's hash, secrets)
 
+Shared by platform replicas on one database (``--shared-state database``)::
+
+    Tenant ─< QuotaLease                    (one per admitted request of the last minute)
+    AdminSession                            (admin UI sign-ins, by the SHA-256 of their id)
+    PlatformEvent                           (a change feed every replica polls: released content)
+    AdapterBlob                             (stored adapter files, chunked, by content hash)
+
 Rows that a tenant owns are only ever queried through ``loraplex.platform.db.scope.TenantScope``.
 Times are stored in UTC and read back timezone-aware, on SQLite as on PostgreSQL.
 """
@@ -28,6 +35,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -264,3 +272,70 @@ class PlatformSetting(Base):
     key: Mapped[str] = mapped_column(String(64), primary_key=True)
     value: Mapped[str] = mapped_column(Text)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
+
+
+# An auto-incrementing 64-bit key (SQLite's rowid is 64-bit already; only INTEGER aliases it).
+BigIntKey = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class QuotaLease(Base):
+    """One admitted request in a tenant's quota window (``loraplex.platform.quota_db``).
+
+    Times are epoch seconds of the admitting replica's clock. A lease is in flight while
+    ``finished_at`` is None and ``expires_at`` is ahead: its replica pushes ``expires_at`` on
+    while it lives (a heartbeat), so a dead replica's leases stop counting within the TTL.
+    """
+
+    __tablename__ = "quota_leases"
+    __table_args__ = (
+        Index("ix_quota_leases_tenant_id_admitted_at", "tenant_id", "admitted_at"),
+        Index("ix_quota_leases_replica_id_finished_at", "replica_id", "finished_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigIntKey, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    replica_id: Mapped[str] = mapped_column(String(64))
+    admitted_at: Mapped[float] = mapped_column(Float)
+    estimated_tokens: Mapped[int] = mapped_column(BigInteger)
+    actual_tokens: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    finished_at: Mapped[float | None] = mapped_column(Float, default=None)
+    expires_at: Mapped[float] = mapped_column(Float)
+
+
+class AdminSession(Base):
+    """A signed-in admin UI session (``loraplex.webui.sessions.DatabaseSessionStore``): keyed
+    by the SHA-256 of the cookie's id, never the id. Times are epoch seconds."""
+
+    __tablename__ = "admin_sessions"
+    __table_args__ = (Index("ix_admin_sessions_last_seen", "last_seen"),)
+
+    id_sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    csrf_token: Mapped[str] = mapped_column(String(64))
+    credential_version: Mapped[str] = mapped_column(String(64))
+    created: Mapped[float] = mapped_column(Float)
+    last_seen: Mapped[float] = mapped_column(Float)
+    flashes: Mapped[list[list[str]]] = mapped_column(JSON, default=list)
+
+
+class PlatformEvent(Base):
+    """A change other replicas must act on, written in the transaction that made it (kind
+    ``content.released``: no version names ``content_sha256`` any more)."""
+
+    __tablename__ = "platform_events"
+
+    id: Mapped[int] = mapped_column(BigIntKey, primary_key=True, autoincrement=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    content_sha256: Mapped[str | None] = mapped_column(String(64), default=None)
+
+
+class AdapterBlob(Base):
+    """One chunk of one stored adapter file, so a replica without the uploader's disk can
+    materialize ``adapters/<content_sha256>/`` (``loraplex.platform.registry.blobs``)."""
+
+    __tablename__ = "adapter_blobs"
+
+    content_sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    file_name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    chunk: Mapped[int] = mapped_column(Integer, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
