@@ -46,6 +46,7 @@ from loraplex.engine.proc_main import (
     GetStats,
     Message,
     Outputs,
+    Placement,
     Ready,
     RemoveLoRA,
     Reply,
@@ -128,11 +129,14 @@ class ProcEngineClient(StreamingClient):
         num_threads: int | None = None,
         join_timeout: float = 5.0,
         startup_timeout: float = 900.0,
+        placement: Placement | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.model_dir = model_dir
-        self.num_threads = num_threads or default_num_threads()
+        self.placement = placement  # a data-parallel replica's CPUs (and GPU); None: all
+        cpus = placement.cpus if placement is not None else ()
+        self.num_threads = num_threads or len(cpus) or default_num_threads()
         self.join_timeout = join_timeout
         self.startup_timeout = startup_timeout
         self.last_restart_seconds: float | None = None  # death seen -> new child ready
@@ -189,7 +193,15 @@ class ProcEngineClient(StreamingClient):
         weights = dict(self._tenant_weights)
         proc = ctx.Process(
             target=run_engine,
-            args=(child_conn, self.config, self.model_dir, adapters, self.num_threads, weights),
+            args=(
+                child_conn,
+                self.config,
+                self.model_dir,
+                adapters,
+                self.num_threads,
+                weights,
+                self.placement,
+            ),
             name="loraplex-engine",
             daemon=True,
         )

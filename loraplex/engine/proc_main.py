@@ -45,6 +45,22 @@ class AdapterSpec:
     key: str
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where one engine process runs (a data-parallel replica's share of the machine): the CPUs
+    it may use (its affinity, set before torch loads; empty: all) and, on CUDA, the
+    ``CUDA_VISIBLE_DEVICES`` it sees (None: the parent's)."""
+
+    cpus: tuple[int, ...] = ()
+    cuda_visible_devices: str | None = None
+
+    def apply(self) -> None:
+        if self.cpus:
+            os.sched_setaffinity(0, self.cpus)
+        if self.cuda_visible_devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices
+
+
 @dataclass
 class AddRequests:
     requests: list[Request]
@@ -182,6 +198,7 @@ def run_engine(
     adapters: list[AdapterSpec],
     num_threads: int,
     tenant_weights: dict[str, float] | None = None,
+    placement: Placement | None = None,
 ) -> None:
     """Entry point of the engine process (``multiprocessing`` spawn target). ``adapters`` and
     ``tenant_weights`` are the client's, given again to an engine that restarts."""
@@ -189,6 +206,8 @@ def run_engine(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     code = 1
     try:
+        if placement is not None:  # before torch starts its threads
+            placement.apply()
         code = _run(conn, config, model_dir, adapters, num_threads, tenant_weights or {})
     except (EOFError, OSError):
         code = 0  # the client went away: nothing left to serve
