@@ -47,7 +47,12 @@ from loraplex.webui.context import (
     static_versions,
 )
 from loraplex.webui.live import EngineMonitor, LiveRecorder
-from loraplex.webui.sessions import LoginThrottle, SessionStore
+from loraplex.webui.sessions import (
+    DatabaseSessionStore,
+    LoginThrottle,
+    SessionBackend,
+    SessionStore,
+)
 
 __all__ = [
     "PAGES",
@@ -88,10 +93,7 @@ def build_webui(platform: Platform, settings: WebUISettings | None = None) -> We
     return WebUI(
         platform=platform,
         settings=settings,
-        sessions=SessionStore(
-            idle_timeout_s=settings.session_idle_minutes * 60,
-            max_age_s=settings.session_max_hours * 3600,
-        ),
+        sessions=_session_store(platform, settings),
         throttle=LoginThrottle(
             max_failures=settings.login_max_failures, window_s=settings.login_window_seconds
         ),
@@ -101,6 +103,16 @@ def build_webui(platform: Platform, settings: WebUISettings | None = None) -> We
         nav=nav,
         static_versions=static_versions(),
     )
+
+
+def _session_store(platform: Platform, settings: WebUISettings) -> SessionBackend:
+    """In the database when the platform shares its state with other replicas, else memory."""
+    assert platform.tenancy is not None
+    store = platform.tenancy.store
+    idle, max_age = settings.session_idle_minutes * 60, settings.session_max_hours * 3600
+    if store.settings.shares_state:
+        return DatabaseSessionStore(store.db, idle_timeout_s=idle, max_age_s=max_age)
+    return SessionStore(idle_timeout_s=idle, max_age_s=max_age)
 
 
 def attach_webui(app: FastAPI) -> None:

@@ -42,7 +42,7 @@ from loraplex.webui.sessions import (
     LoginThrottle,
     OneTimeSecrets,
     Session,
-    SessionStore,
+    SessionBackend,
 )
 
 PACKAGE_DIR = Path(__file__).parent
@@ -103,7 +103,7 @@ class WebUI:
 
     platform: Platform
     settings: WebUISettings
-    sessions: SessionStore
+    sessions: SessionBackend  # memory, or the database's (replicas)
     throttle: LoginThrottle
     recorder: LiveRecorder
     monitor: EngineMonitor
@@ -356,7 +356,7 @@ async def current_session(request: Request) -> Session | None:
     admin token changed since it signed in (then it is dropped)."""
     session_id = request.cookies.get(SESSION_COOKIE)
     webui = webui_of(request)
-    session = webui.sessions.get(session_id)
+    session = await webui.sessions.load(session_id)
     if session is None:
         return None
     now = webui.sessions.now()
@@ -364,7 +364,7 @@ async def current_session(request: Request) -> Session | None:
         store = webui.store
         version = await store.db.run(lambda s: credential_version(store, s))
         if version != session.credential_version:
-            webui.sessions.delete(session_id)
+            await webui.sessions.end(session_id)
             return None
         session.verified_at = now
     return session

@@ -132,8 +132,8 @@ async def login(request: Request) -> Response:
         return _login_page(request, cookie_token, next_path, error=error, status=401)
 
     webui.throttle.succeeded(client)
-    webui.sessions.delete(request.cookies.get(SESSION_COOKIE))  # never promote a planted id
-    session_id, session = webui.sessions.create(version)
+    await webui.sessions.end(request.cookies.get(SESSION_COOKIE))  # never promote a planted id
+    session_id, session = await webui.sessions.open(version)
     session.flash("success", "Signed in.")
     response = redirect(request, next_path)
     set_cookie(request, response, SESSION_COOKIE, session_id)
@@ -158,7 +158,7 @@ def _throttled(request: Request, token: str, next_path: str, wait: int) -> Respo
 
 @router.post("/admin/logout")
 async def logout(request: Request, admin: FormPost) -> Response:
-    webui_of(request).sessions.delete(request.cookies.get(SESSION_COOKIE))
+    await webui_of(request).sessions.end(request.cookies.get(SESSION_COOKIE))
     response = redirect(request, f"{LOGIN_PATH}?notice=signed_out")
     delete_cookie(request, response, SESSION_COOKIE)
     return response
