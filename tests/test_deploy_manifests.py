@@ -462,18 +462,20 @@ def selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
 
 def test_the_selectors_select_the_platform_pods(variant: Variant) -> None:
     labels, spec = variant.pod_labels, variant.deployment["spec"]
-    assert selects(spec["selector"]["matchLabels"], labels)
+    assert selects(spec["selector"]["matchLabels"], labels), (spec["selector"], labels)
     for service in variant.all("Service"):
-        assert selects(service["spec"]["selector"], labels), service["metadata"]["name"]
+        selector = service["spec"]["selector"]
+        assert selects(selector, labels), (service["metadata"]["name"], selector, labels)
     pdb = variant.one("PodDisruptionBudget")["spec"]
-    assert selects(pdb["selector"]["matchLabels"], labels)
+    assert selects(pdb["selector"]["matchLabels"], labels), (pdb["selector"], labels)
     # A budget that allows no disruption blocks every node drain.
-    allowed = (
-        pdb["maxUnavailable"] if "maxUnavailable" in pdb else spec["replicas"] - pdb["minAvailable"]
-    )
-    assert isinstance(allowed, int) and allowed >= 1 and spec["replicas"] >= 2
+    replicas = spec["replicas"]
+    allowed = pdb["maxUnavailable"] if "maxUnavailable" in pdb else replicas - pdb["minAvailable"]
+    assert isinstance(allowed, int) and allowed >= 1, f"the PDB allows {allowed} disruptions"
+    assert replicas >= 2, "one replica: every disruption is an outage"
     for spread in variant.pod.get("topologySpreadConstraints", []):
-        assert selects(spread["labelSelector"]["matchLabels"], labels)
+        selector = spread["labelSelector"]["matchLabels"]
+        assert selects(selector, labels), ("topologySpreadConstraints", selector, labels)
 
 
 # ---- the pod: volumes, users, shutdown, GPU, pod security ----------------------------------
