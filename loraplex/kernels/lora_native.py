@@ -27,6 +27,37 @@ CACHE_KEY = "native"  # in LoRALayerWeights.caches
 POOL_DTYPES: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
+class LoRACall(ctypes.Structure):
+    """``lp_lora_call`` (``csrc/cpu_kernels.c``): every argument of ``lp_lora_add`` in one struct,
+    the layer's constant ones set once, the per-call ones (``y``, ``x``, strides, ``num_tokens``,
+    ``slots``, ``num_threads``) before each call. Field order and types are the C struct's."""
+
+    _fields_ = [
+        ("y", ctypes.c_void_p),
+        ("y_stride", ctypes.c_int64),
+        ("x", ctypes.c_void_p),
+        ("x_stride", ctypes.c_int64),
+        ("num_tokens", ctypes.c_int64),
+        ("in_features", ctypes.c_int64),
+        ("slots", ctypes.c_void_p),
+        ("max_loras", ctypes.c_int64),
+        ("max_rank", ctypes.c_int64),
+        ("pages", ctypes.c_void_p),
+        ("p_slice_stride", ctypes.c_int64),
+        ("p_slot_stride", ctypes.c_int64),
+        ("ranks", ctypes.c_void_p),
+        ("r_slice_stride", ctypes.c_int64),
+        ("num_slices", ctypes.c_int64),
+        ("a_pools", ctypes.c_void_p),
+        ("b_pools", ctypes.c_void_p),
+        ("pool_dtype", ctypes.c_int64),
+        ("pool_rows", ctypes.c_void_p),
+        ("widths", ctypes.c_void_p),
+        ("offsets", ctypes.c_void_p),
+        ("num_threads", ctypes.c_int64),
+    ]
+
+
 @dataclass(frozen=True)
 class NativeLoRAArgs:
     """A layer's pointer arrays for ``lp_lora_add``, built once per layer: the pools and the page
@@ -44,6 +75,8 @@ class NativeLoRAArgs:
     ranks: int  # pointer to ranks [num_slices, max_loras] int32
     ranks_stride: int  # slice stride (the slot stride is 1)
     out_end: int  # y needs at least this many columns
+    call: LoRACall  # the constant fields filled in; the per-call ones set by add_lora_native
+    call_ptr: int  # its address (it lives as long as this object)
 
     @classmethod
     def of(cls, weights: LoRALayerWeights) -> NativeLoRAArgs:
@@ -55,18 +88,43 @@ class NativeLoRAArgs:
         if weights.pages.stride(2) != 1 or weights.ranks.stride(1) != 1:
             raise ValueError("the native LoRA kernel needs pages and ranks contiguous in k / slot")
         n = weights.num_slices
-        return cls(
-            a_ptrs=(ctypes.c_void_p * n)(*(a.data_ptr() for a in weights.lora_a)),
-            b_ptrs=(ctypes.c_void_p * n)(*(b.data_ptr() for b in weights.lora_b)),
+        a_ptrs = (ctypes.c_void_p * n)(*(a.data_ptr() for a in weights.lora_a))
+        b_ptrs = (ctypes.c_void_p * n)(*(b.data_ptr() for b in weights.lora_b))
+        pool_rows = (ctypes.c_int64 * n)(*weights.num_pages)
+        widths = (ctypes.c_int64 * n)(*weights.widths)
+        offsets = (ctypes.c_int64 * n)(*weights.slice_offsets)
+        pages, ranks = weights.pages, weights.ranks
+        call = LoRACall(
+            in_features=weights.in_features,
+            max_loras=weights.max_loras,
+            max_rank=weights.max_rank,
+            pages=pages.data_ptr(),
+            p_slice_stride=pages.stride(0),
+            p_slot_stride=pages.stride(1),
+            ranks=ranks.data_ptr(),
+            r_slice_stride=ranks.stride(0),
+            num_slices=n,
+            a_pools=ctypes.addressof(a_ptrs),
+            b_pools=ctypes.addressof(b_ptrs),
             pool_dtype=POOL_DTYPES[weights.dtype],
-            pool_rows=(ctypes.c_int64 * n)(*weights.num_pages),
-            widths=(ctypes.c_int64 * n)(*weights.widths),
-            offsets=(ctypes.c_int64 * n)(*weights.slice_offsets),
-            pages=weights.pages.data_ptr(),
-            pages_strides=(weights.pages.stride(0), weights.pages.stride(1)),
-            ranks=weights.ranks.data_ptr(),
-            ranks_stride=weights.ranks.stride(0),
+            pool_rows=ctypes.addressof(pool_rows),
+            widths=ctypes.addressof(widths),
+            offsets=ctypes.addressof(offsets),
+        )
+        return cls(
+            a_ptrs=a_ptrs,
+            b_ptrs=b_ptrs,
+            pool_dtype=POOL_DTYPES[weights.dtype],
+            pool_rows=pool_rows,
+            widths=widths,
+            offsets=offsets,
+            pages=pages.data_ptr(),
+            pages_strides=(pages.stride(0), pages.stride(1)),
+            ranks=ranks.data_ptr(),
+            ranks_stride=ranks.stride(0),
             out_end=max(o + w for o, w in zip(weights.slice_offsets, weights.widths, strict=True)),
+            call=call,
+            call_ptr=ctypes.addressof(call),
         )
 
     def invalidate(self, slot: int | None) -> None:
@@ -114,36 +172,63 @@ def add_lora_native(
             f"{x.dtype} {tuple(x.shape)}, y {y.dtype} {tuple(y.shape)}, pools {weights.dtype} on "
             f"{weights.device}"
         )
-    args = native_args(weights)
+    try_native(y, x, weights, meta)
+
+
+_F32 = torch.float32
+_I32 = torch.int32
+
+
+def try_native(
+    y: torch.Tensor, x: torch.Tensor, weights: LoRALayerWeights, meta: LoRAKernelMeta
+) -> bool:
+    """``add_lora_native`` when ``native_fits`` holds (True), else nothing (False).
+
+    This runs for every LoRA layer of every step, so it does the least per call: what belongs to
+    the layer (the pools' type, device and layout, the kernels being built) is checked once,
+    when its ``NativeLoRAArgs`` are made; per call only x and y (type, device, 2-D, unit column
+    stride, shapes against the step and the pool) are, in a few attribute reads, and the kernel's
+    arguments are one preset struct of which 7 fields are set. The kernel itself checks every
+    slot, rank and page the batch names before it writes.
+    """
+    args = weights.caches.get(CACHE_KEY)
+    if not isinstance(args, NativeLoRAArgs):
+        if not native_fits(y, x, weights):
+            return False
+        args = native_args(weights)
+    if x.dtype is not _F32 or y.dtype is not _F32 or not (x.is_cpu and y.is_cpu):
+        return False
+    xs, ys = x.stride(), y.stride()
+    if len(xs) != 2 or len(ys) != 2 or xs[1] != 1 or ys[1] != 1:
+        return False
     T = meta.num_tokens
-    if x.shape[0] != T or y.shape[0] != T:
-        raise ValueError(f"x has {x.shape[0]} rows, y {y.shape[0]}, meta was prepared for {T}")
+    (xt, xin), (yt, yout) = x.shape, y.shape
+    if xt != T or yt != T:
+        raise ValueError(f"x has {xt} rows, y {yt}, meta was prepared for {T}")
     if weights.max_loras != meta.max_loras:
         raise ValueError(
             f"the page index has {weights.max_loras} slots, meta max_loras={meta.max_loras}"
         )
-    if x.shape[1] != weights.in_features:
-        raise ValueError(f"lora_a has in_features {weights.in_features}, x has {x.shape[1]}")
-    if args.out_end > y.shape[1]:
-        raise ValueError(f"the slices need {args.out_end} columns, y has {y.shape[1]}")
+    if xin != weights.in_features:
+        raise ValueError(f"lora_a has in_features {weights.in_features}, x has {xin}")
+    if args.out_end > yout:
+        raise ValueError(f"the slices need {args.out_end} columns, y has {yout}")
     if not meta.has_lora:
-        return
+        return True
     slots = meta.token_slots
-    if slots.dtype != torch.int32 or not slots.is_cpu:
+    if slots.dtype is not _I32 or not slots.is_cpu:
         raise ValueError("meta.token_slots must be int32 on the CPU for the native backend")
     lib = native.library()
-    assert lib is not None  # native_fits
-    rc = lib.lp_lora_add(
-        native.ptr(y), y.stride(0), native.ptr(x), x.stride(0), T, x.shape[1],
-        native.ptr(slots), weights.max_loras, weights.max_rank,
-        args.pages, args.pages_strides[0], args.pages_strides[1],
-        args.ranks, args.ranks_stride, weights.num_slices,
-        args.a_ptrs, args.b_ptrs, args.pool_dtype, args.pool_rows, args.widths, args.offsets,
-        native.num_threads(),
-    )  # fmt: skip
-    if rc != 0:
+    assert lib is not None  # args exist only where the kernels are built
+    call = args.call
+    call.y, call.y_stride = y.data_ptr(), ys[0]
+    call.x, call.x_stride = x.data_ptr(), xs[0]
+    call.num_tokens, call.slots = T, slots.data_ptr()
+    call.num_threads = native.num_threads()
+    if lib.lp_lora_add_call(args.call_ptr) != 0:
         raise RuntimeError(
             f"lp_lora_add rejected its arguments: a slot >= max_loras ({weights.max_loras}), a "
             f"rank outside [0, {weights.max_rank}] or a page outside its pool "
             f"({weights.num_pages} rows); check_page_index says which"
         )
+    return True

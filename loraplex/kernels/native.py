@@ -119,6 +119,8 @@ def _load(path: Path) -> ctypes.CDLL:
         ptr, ptr, c_int,  # a_pools, b_pools, pool_dtype (0 fp32, 1 fp16, 2 bf16)
         ptr, ptr, ptr, c_int,  # pool_rows, widths, offsets, num_threads
     ]  # fmt: skip
+    lib.lp_lora_add_call.restype = c_int
+    lib.lp_lora_add_call.argtypes = [ptr]  # const lp_lora_call * (lora_native.LoRACall)
     lib.lp_add_rms_norm.restype = c_int
     lib.lp_add_rms_norm.argtypes = [
         ptr, i64, ptr, i64,  # residual, r_stride, delta (or None), d_stride

@@ -453,12 +453,12 @@ def test_native_fits_and_its_cache() -> None:
 
 
 @needs_native
-def test_native_dispatch_sends_big_runs_and_high_ranks_to_torch(
+def test_native_dispatch_sends_only_high_ranks_to_torch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     calls: list[str] = []
-    monkeypatch.setattr(lora_ops, "add_lora_native", lambda *a: calls.append("native"))
+    monkeypatch.setattr(lora_ops, "try_native", lambda *a: calls.append("native") or True)
     monkeypatch.setattr(lora_ops, "add_lora_torch", lambda *a: calls.append("torch"))
     many = [s for s in range(4) for _ in range(3)]  # 4 runs: more than LOOP_MAX_SEGMENTS
     for slots, ranks, expect in [
@@ -466,7 +466,10 @@ def test_native_dispatch_sends_big_runs_and_high_ranks_to_torch(
         (many, [64, 64, 64, 64], "torch"),  # ranks above NATIVE_MAX_RANK, nothing padded
         (many, [64, 64, 64, 32], "torch"),  # padding wastes 256 / 224 rank-rows: < PAD_WASTE
         (many, [8, 8, 64, 8], "native"),  # padding to 64 would waste 256 / 88 rank-rows
-        ([0] * 12, [8], "torch"),  # one run: a GEMM in place
+        ([0] * 12, [8], "native"),  # one run at rank 8: as fast as a GEMM in place, or faster
+        ([0] * 6 + [1] * 6, [8, 16], "native"),  # two runs (LOOP_MAX_SEGMENTS) at low ranks
+        ([0] * 12, [64], "torch"),  # one run at rank 64: the GEMM in place
+        ([0] * 6 + [1] * 6, [64, 8], "torch"),  # the per-segment loop, each at its own rank
     ]:
         case = make_case(slots, ranks, 32, [16, 8])
         calls.clear()
