@@ -223,9 +223,9 @@ def parse_serve(
     return args
 
 
-def accept(args: argparse.Namespace) -> None:
+def accept(args: argparse.Namespace) -> TenancySettings:
     """Build what ``serve`` builds from ``args`` and the environment (each validates itself):
-    the engine's config, the server's settings, the platform's and the admin UI's."""
+    the engine's config, the server's settings, the platform's (returned) and the admin UI's."""
     serve = argparse.ArgumentParser()
     add_serve_arguments(serve)
     for action in serve._actions:
@@ -241,15 +241,15 @@ def accept(args: argparse.Namespace) -> None:
         max_request_bytes=args.max_request_bytes,
         default_max_tokens=args.default_max_tokens,
     )
-    tenancy = TenancySettings(
-        **{
-            k: v
-            for k, v in {"data_dir": args.data_dir, "database_url": args.database_url}.items()
-            if v is not None
-        }
-    )
+    overrides = {
+        "data_dir": args.data_dir,
+        "database_url": args.database_url,
+        "shared_state": args.shared_state,
+    }
+    tenancy = TenancySettings(**{k: v for k, v in overrides.items() if v is not None})
     configured_token(tenancy)
     load_webui_settings()
+    return tenancy
 
 
 def env_names_loraplex_reads() -> set[str]:
@@ -343,7 +343,9 @@ def test_the_container_runs_a_configuration_loraplex_accepts(
 ) -> None:
     secrets = {"admin-token": A_REAL_TOKEN}  # the operator replaced the placeholder
     args = parse_serve(variant, container_env(variant, secrets), monkeypatch)
-    accept(args)
+    tenancy = accept(args)
+    assert variant.deployment["spec"]["replicas"] > 1
+    assert tenancy.shares_state  # quotas and admin sessions hold across the replicas
     assert args.host == "0.0.0.0"  # the kubelet's probes and the Service reach the pod's IP
     assert not args.no_platform and not args.demo  # tenants in the database; no demo tenant
     assert not args.engine_in_process  # the supervisor restarts a crashed engine (liveness)
