@@ -17,8 +17,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from loraplex.argtypes import env_bool
+from loraplex.argtypes import env_bool, positive_int
 from loraplex.config import SchedulingPolicy
+from loraplex.engine.client import EngineClient
+from loraplex.engine.dp_router import ROUTING_POLICIES
 from loraplex.engine_args import ENV_PREFIX, add_engine_arguments, from_args
 
 
@@ -141,6 +143,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=_env_default("--engine-in-process", False, env_bool),
         help="run the engine in the server process (debugging; no crash isolation)",
     )
+    opt(
+        "--data-parallel-size",
+        1,
+        positive_int,
+        help="engine replicas, each a supervised process with its own KV cache, adapter pool "
+        "and share of the CPUs (one GPU each on CUDA); at most one per usable CPU (GPU)",
+    )
+    opt(
+        "--dp-routing",
+        "affinity",
+        choices=ROUTING_POLICIES,
+        help="how requests pick a replica: affinity (the replica holding the adapter and the "
+        "prefix, within an imbalance bound) or round_robin",
+    )
 
 
 def apply_default_policy(args: argparse.Namespace) -> argparse.Namespace:
@@ -212,21 +228,34 @@ class _Server:
         await self._server.serve()
 
 
+def build_engine_client(args: argparse.Namespace, config: Any, model_dir: str) -> EngineClient:
+    """The engine ``serve`` runs: in this process (``--engine-in-process``), one supervised
+    engine process, or ``--data-parallel-size`` of them behind the router."""
+    from loraplex.engine.dp_client import DataParallelClient
+    from loraplex.engine.inproc_client import InprocEngineClient
+    from loraplex.engine.proc_client import ProcEngineClient
+
+    size = args.data_parallel_size
+    if size > 1:
+        if args.engine_in_process:
+            raise ValueError(
+                "--engine-in-process runs one engine in the server process; drop it to run "
+                f"--data-parallel-size {size} engine processes"
+            )
+        return DataParallelClient.of_processes(config, model_dir, size, args.dp_routing)
+    if args.engine_in_process:
+        return InprocEngineClient(config, model_dir)
+    return ProcEngineClient(config, model_dir)
+
+
 async def _serve(args: argparse.Namespace, config: Any, model_dir: str) -> int:
     import uvicorn
 
-    from loraplex.engine.client import EngineClient
-    from loraplex.engine.inproc_client import InprocEngineClient
-    from loraplex.engine.proc_client import ProcEngineClient
     from loraplex.platform.settings import load_settings
     from loraplex.server import create_app
 
     start = time.perf_counter()
-    client: EngineClient = (
-        InprocEngineClient(config, model_dir)
-        if args.engine_in_process
-        else ProcEngineClient(config, model_dir)
-    )
+    client = build_engine_client(args, config, model_dir)
     await client.start()
     try:
         settings = load_settings(
