@@ -136,8 +136,9 @@ class Platform:
 
     @asynccontextmanager
     async def lifespan(self, *, own_client: bool) -> AsyncIterator[None]:
-        """Start what runs while serving (the engine when ``own_client``, the usage retention)
-        and stop it afterwards, flushing the usage rows still buffered."""
+        """Start what runs while serving (the engine when ``own_client``, the usage retention,
+        the quota store's upkeep, and with shared state the replicas' change feed) and stop it
+        afterwards, flushing the quota releases and usage rows still buffered."""
         if own_client:
             await self.client.start()
         background: list[asyncio.Task[None]] = []
@@ -161,6 +162,10 @@ class Platform:
                         self.tenancy.quotas.store.maintain_forever(), name="quota-upkeep"
                     ),
                 ]
+                registry, settings = self.tenancy.registry, self.tenancy.store.settings
+                if registry.shared:  # other replicas' deletions reach this one's engine
+                    feed = registry.follow_changes_forever(settings.replica_poll_s)
+                    background.append(asyncio.create_task(feed, name="replica-changes"))
             yield
         finally:
             for task in background:

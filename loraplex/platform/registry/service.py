@@ -18,6 +18,17 @@ The registry is the source of truth: versions are loaded into the engine lazily,
 use after a start (``ensure_loaded``: concurrent first uses load once). The engine knows an
 adapter only by its content hash, so equal uploads by two tenants share one engine copy while
 staying two names. Tenant-owned rows are only read through ``TenantScope``.
+
+Replicas (``shared`` = ``--shared-state database``): several platform processes on one
+database, each with its own data directory and engine. An upload's files also go into the
+database (``blobs``) before the version is ready, and a replica that lacks ``adapters/<hash>/``
+writes it from there before its engine loads it, so a version uploaded anywhere is served
+everywhere (versions are looked up in the database on every request). When a deletion leaves
+content unnamed, the same transaction drops its blobs and writes a ``content.released`` event;
+every replica reads the feed every ``replica_poll_s`` (``follow_changes_forever``, started by
+the platform's lifespan) and releases its engine copy and files of that content. Every
+``RECONCILE_ROUNDS`` rounds it also runs ``collect_garbage``, which repairs anything a missed
+event left (and prunes old events).
 """
 
 from __future__ import annotations
@@ -32,15 +43,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.to_thread
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, selectinload
 
 from loraplex.engine.client import EngineClient, EngineDeadError
 from loraplex.platform import audit
-from loraplex.platform.db.models import Adapter, AdapterVersion, Tenant, utcnow
+from loraplex.platform.db.models import Adapter, AdapterVersion, PlatformEvent, Tenant, utcnow
 from loraplex.platform.db.scope import TenantScope
 from loraplex.platform.errors import SERVER_ERROR, APIError
+from loraplex.platform.registry import blobs
 from loraplex.platform.registry.names import AdapterRef, check_adapter_name, parse_ref
 from loraplex.platform.registry.records import (
     AdapterView,
@@ -67,6 +79,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 REGISTRY_OWNER = "registry"  # the registry's reference to an engine copy (see EngineClient)
 STALE_UPLOAD_S = 600.0  # a "validating" row this old was left by a crash
+RELEASED = "content.released"  # a PlatformEvent: no version names this content any more
+FEED_LOOKBACK_S = 30.0  # events committed out of id order are still read within this
+RECONCILE_ROUNDS = 60  # feed rounds between two collect_garbage runs (a minute at 1 s)
+EVENT_RETENTION_S = 3600.0
 MAX_DESCRIPTION = 2000
 
 
@@ -83,6 +99,8 @@ class Registry:
         self._loading: dict[str, asyncio.Lock] = {}
         self._removals: set[asyncio.Task[None]] = set()  # files waiting for their engine copy
         self._base: BaseModelInfo | None = None
+        self.shared = store.settings.shares_state  # files in the database, a change feed
+        self._seen: dict[int, float] = {}  # feed events handled recently: id -> when
 
     async def _db(self, fn: Callable[[Session], T]) -> T:
         return await self.db.run(fn)
@@ -125,12 +143,71 @@ class Registry:
         """Remove stored files (and engine copies) no version names any more; call after rows
         went by other means (a deleted tenant). Returns the content hashes removed."""
         async with self._lock:
-            referenced = set(await self._db(_all_hashes))
+            referenced = set(await self._db(self._sweep))
             stale = [h for h in self.storage.stored_hashes() if h not in referenced]
             held = self.client.lora_keys(REGISTRY_OWNER)
             stale += [h for h in held if h not in referenced and h not in stale]
             await self._drop(stale)
         return stale
+
+    def _sweep(self, session: Session) -> list[str]:
+        """Every content hash a version names; shared: drop the blobs of the others (with a
+        ``content.released`` event each) and events past their retention."""
+        referenced = _all_hashes(session)
+        if self.shared:
+            names = set(referenced)
+            self._released(session, [h for h in blobs.all_hashes(session) if h not in names])
+            cutoff = utcnow() - dt.timedelta(seconds=EVENT_RETENTION_S)
+            session.execute(delete(PlatformEvent).where(PlatformEvent.created_at < cutoff))
+        return referenced
+
+    def _released(self, session: Session, hashes: list[str]) -> None:
+        """In the transaction that left ``hashes`` unnamed: their blobs go, and every replica
+        is told (shared state only)."""
+        if not self.shared or not hashes:
+            return
+        blobs.drop(session, hashes)
+        session.add_all(PlatformEvent(kind=RELEASED, content_sha256=h) for h in hashes)
+
+    # ---- the change feed (replicas) ----------------------------------------------------------
+
+    async def follow_changes_forever(self, interval_s: float) -> None:
+        """Apply other replicas' changes every ``interval_s`` (see the module docstring);
+        runs until cancelled. A failed round is logged and the next one tries again."""
+        last = await self._db(lambda s: s.scalar(select(func.max(PlatformEvent.id))) or 0)
+        rounds = 0
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                last = await self.apply_changes(last)
+                rounds += 1
+                if rounds % RECONCILE_ROUNDS == 0:
+                    await self.collect_garbage()
+            except Exception:
+                logger.exception("registry: reading the replicas' change feed failed")
+
+    async def apply_changes(self, last: int) -> int:
+        """Handle the feed's events after ``last`` (and recent ones committed out of order);
+        returns the newest id seen. Idempotent: content still named is kept."""
+        since = utcnow() - dt.timedelta(seconds=FEED_LOOKBACK_S)
+
+        def read(session: Session) -> list[tuple[int, str, str | None]]:
+            query = select(PlatformEvent.id, PlatformEvent.kind, PlatformEvent.content_sha256)
+            query = query.where(or_(PlatformEvent.id > last, PlatformEvent.created_at >= since))
+            return [(i, k, h) for i, k, h in session.execute(query.order_by(PlatformEvent.id))]
+
+        events = [e for e in await self._db(read) if e[0] not in self._seen]
+        now = asyncio.get_running_loop().time()
+        for event_id, _, _ in events:
+            self._seen[event_id] = now
+        for event_id in [i for i, at in self._seen.items() if at < now - 4 * FEED_LOOKBACK_S]:
+            del self._seen[event_id]
+        released = sorted({h for _, kind, h in events if kind == RELEASED and h})
+        if released:
+            async with self._lock:
+                named = set(await self._db(lambda s: [h for h in released if _is_referenced(s, h)]))
+                await self._drop([h for h in released if h not in named])
+        return max([last, *(e[0] for e in events)])
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -200,6 +277,8 @@ class Registry:
             async with lock:
                 if self.client.retain_lora(key, REGISTRY_OWNER, path):
                     return
+                if self.shared and not self.storage.has(key):
+                    await self._fetch(key)  # uploaded through another replica
                 info = await self.client.add_lora(label, path, owner=REGISTRY_OWNER)
                 if info.key != key:
                     # The registry and the engine hash adapters with the same function; a
@@ -212,6 +291,27 @@ class Registry:
         finally:
             if not lock.locked():
                 self._loading.pop(key, None)
+
+    async def _fetch(self, key: str) -> None:
+        """Write ``adapters/<key>/`` from the database's copy (worker thread)."""
+
+        def write(directory: Path) -> bool:
+            return self.db.call(lambda s: blobs.write_out(s, key, directory))
+
+        if not await anyio.to_thread.run_sync(lambda: self.storage.materialize(key, write)):
+            raise RuntimeError(
+                f"the files of adapter {key[:12]} are neither in this replica's data directory "
+                "nor in the database (uploaded before --shared-state database was on?)"
+            )
+
+    async def _share(self, key: str) -> None:
+        """Copy stored content into the database for the other replicas (worker thread)."""
+        directory = self.storage.root / key
+        try:
+            await self._db(lambda s: blobs.save(s, key, directory))
+        except IntegrityError:  # saved at the same moment by another replica's upload
+            if not await self._db(lambda s: blobs.stored(s, key)):
+                raise
 
     async def load_for_request(self, version: ResolvedVersion) -> None:
         """``ensure_loaded`` for a request: failures are the server's, answered 5xx."""
@@ -312,6 +412,8 @@ class Registry:
                 await anyio.to_thread.run_sync(
                     self.storage.store, checked.adapter_dir, checked.content_hash, work_dir
                 )
+                if self.shared:
+                    await self._share(checked.content_hash)
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await self._undo(added)
@@ -475,7 +577,10 @@ class Registry:
                         .where(Adapter.id == adapter.id, Adapter.next_version == added.number + 1)
                         .values(next_version=added.number)
                     )
-            return content is not None and not _is_referenced(session, content)
+            unnamed = content is not None and not _is_referenced(session, content)
+            if unnamed and self.shared:
+                blobs.drop(session, [added.storage_path.rsplit("/", 1)[-1]])
+            return unnamed
 
         content_hash = added.storage_path.rsplit("/", 1)[-1]
         if await self._db(undo):
@@ -513,7 +618,9 @@ class Registry:
                 action, kind, object_id = "adapter_version.delete", "adapter_version", str(ref)
             session.flush()
             audit.record(session, actor, action, kind, object_id, tenant_name=tenant, before=before)
-            return [h for h in hashes if not _is_referenced(session, h)]
+            unnamed = [h for h in hashes if not _is_referenced(session, h)]
+            self._released(session, unnamed)  # other replicas unload it (the change feed)
+            return unnamed
 
         async with self._lock:
             unreferenced = await self._db(remove)

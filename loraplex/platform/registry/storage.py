@@ -6,6 +6,7 @@ Layout under the data directory::
     adapters/<content hash>/adapter_model.safetensors shared by every version (of any tenant)
                                                        whose content hash is this one
     tmp/upload-<random>/                               one upload in flight; removed when it ends
+    tmp/fetch-<hash>-<random>/                         files written from the database (replicas)
 
 The content hash is ``LoRAAdapter.content_hash`` (SHA-256 over what the adapter computes: per
 module rank and scaling, then every tensor's dtype, shape and bytes), i.e. the key the engine
@@ -28,7 +29,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 # PEFT's file names, as in loraplex.lora.archive (not imported here: that module imports torch,
@@ -98,6 +99,35 @@ class AdapterStorage:
             return target  # stored meanwhile by another upload of the same content
         _fsync(self.root)
         return target
+
+    def has(self, content_hash: str) -> bool:
+        return (self.root / _check_hash(content_hash)).is_dir()
+
+    def materialize(self, content_hash: str, write: Callable[[Path], bool]) -> bool:
+        """Create ``adapters/<hash>`` from ``write(directory)`` (which writes the adapter's
+        files there and says whether it had them), through a temporary directory renamed into
+        place: readers see the whole directory or none. True when the directory exists after."""
+        target = self.root / _check_hash(content_hash)
+        if target.is_dir():
+            return True
+        staged = self.tmp / f"fetch-{content_hash[:16]}-{uuid.uuid4().hex[:8]}"
+        staged.mkdir(mode=0o700)
+        try:
+            if not write(staged):
+                return False
+            for name in STORED_FILES:
+                os.chmod(staged / name, 0o600)
+                _fsync(staged / name)
+            try:
+                os.rename(staged, target)
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not target.is_dir():
+                    raise
+                return True  # written meanwhile by another request
+            _fsync(self.root)
+            return True
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
 
     def remove(self, content_hash: str) -> None:
         target = self.root / _check_hash(content_hash)
