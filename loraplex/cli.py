@@ -175,6 +175,21 @@ def build_parser() -> argparse.ArgumentParser:
             ),
         )
     )
+    from loraplex.bench.replicas import add_replicas_arguments
+
+    add_replicas_arguments(
+        benches.add_parser(
+            "replicas",
+            help="data-parallel replicas: 1 vs N throughput, affinity vs round-robin routing",
+            description=(
+                "In one process, one engine replica on all CPUs against --replicas replicas on "
+                "disjoint shares of them: output tokens/s (and per core) on bench throughput's "
+                "workload; then the workload over --num-adapters random adapters in a steady "
+                "mix, routed by affinity against round robin: adapter loads per replica and "
+                "tokens/s. Paired alternating runs, medians. Writes JSON to --output-dir."
+            ),
+        )
+    )
     from loraplex.platform.admin_cli import add_commands as add_platform_commands
 
     add_platform_commands(commands, _Parser)
@@ -396,6 +411,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from loraplex.bench.speculative import run_speculative
 
             run_speculative(speculative_options(args))
+            return 0
+        if args.command == "bench" and args.bench == "replicas":
+            from loraplex.bench.replicas import options_from as replicas_options
+            from loraplex.bench.replicas import run_replicas
+
+            run_replicas(replicas_options(args))
             return 0
         if args.command in ("db", "admin"):
             from loraplex.platform.admin_cli import run as run_platform_command
