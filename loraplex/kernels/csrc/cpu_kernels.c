@@ -10,6 +10,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <omp.h>
 #include <stdlib.h>
 
 #include "lp_simd.h"
@@ -405,6 +406,28 @@ static inline __attribute__((always_inline)) void lp_lora_expand_tile(
     }
 }
 
+/* Fetch the whole working set of a tile of slot s (every slice's A rows and B rows) into L2,
+ * ahead of the thread's next tile: decode tiles are a few KB to tens of KB at scattered pages,
+ * latency-bound when fetched as they are needed. */
+static inline void lp_lora_prefetch_slot(int dt, int32_t s, int64_t in_features,
+                                         const int32_t *pages, int64_t p_slice_stride,
+                                         int64_t p_slot_stride, const int32_t *ranks,
+                                         int64_t r_slice_stride, int64_t num_slices,
+                                         const void *const *a_pools, const void *const *b_pools,
+                                         const int64_t *widths) {
+    const int64_t es = lp_esize(dt);
+    for (int64_t j = 0; j < num_slices; j++) {
+        const int64_t r = ranks[j * r_slice_stride + s], n = widths[j];
+        const int32_t *pg = pages + j * p_slice_stride + s * p_slot_stride;
+        for (int64_t i = 0; i < r; i++) {
+            const char *a = (const char *)lp_row(dt, a_pools[j], pg[i], in_features);
+            const char *b = (const char *)lp_row(dt, b_pools[j], pg[i], n);
+            for (int64_t o = 0; o < in_features * es; o += 64) __builtin_prefetch(a + o, 0, 2);
+            for (int64_t o = 0; o < n * es; o += 64) __builtin_prefetch(b + o, 0, 2);
+        }
+    }
+}
+
 /* Every slice of one tile: the m tokens from t0, all of slot s. */
 static inline __attribute__((always_inline)) void lp_lora_tile(
     const int dt, float *y, int64_t y_stride, const float *x, int64_t x_stride, int64_t m,
@@ -478,10 +501,21 @@ int lp_lora_add(float *y, int64_t y_stride, const float *x, int64_t x_stride, in
         t = e;
     }
     free(state);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t q = 0; q < num_tiles; q++) {
+    /* Tiles dealt round robin (thread k takes k, k + nt, ...), so that each thread knows its
+     * next tile and fetches it while computing this one. */
+#pragma omp parallel num_threads(num_threads)
+    {
+    const int64_t nt = omp_get_num_threads();
+    for (int64_t q = omp_get_thread_num(); q < num_tiles; q += nt) {
         const int64_t t0 = tiles[q];
         const int32_t s = slots[t0];
+        if (q + nt < num_tiles) {
+            const int32_t s2 = slots[tiles[q + nt]];
+            if (s2 != s)
+                lp_lora_prefetch_slot(pool_dtype, s2, in_features, pages, p_slice_stride,
+                                      p_slot_stride, ranks, r_slice_stride, num_slices, a_pools,
+                                      b_pools, widths);
+        }
         int64_t m = 1;
         while (m < LP_LORA_TILE && t0 + m < num_tokens && slots[t0 + m] == s) m++;
 #define LP_TILE(dt)                                                                           \
@@ -494,6 +528,7 @@ int lp_lora_add(float *y, int64_t y_stride, const float *x, int64_t x_stride, in
             default: LP_TILE(LP_F32); break;
         }
 #undef LP_TILE
+    }
     }
     free(tiles);
     return 0;
