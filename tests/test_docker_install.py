@@ -83,7 +83,8 @@ def test_the_install_and_start_commands_work_in_a_clean_venv(tmp_path: Path) -> 
     done = subprocess.run(install, **run, timeout=800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     site = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", "import loraplex, torch; print(loraplex.__file__)"],
+        # psycopg: the image serves platform replicas on PostgreSQL (the postgres extra)
+        [str(venv / "bin" / "python"), "-c", "import loraplex, psycopg, torch; print(loraplex.__file__)"],
         **run, check=True,
     )  # fmt: skip
     assert str(venv) in site.stdout, site.stdout  # the venv's own copy, not this checkout
