@@ -413,8 +413,10 @@ class DataParallelClient(EngineClient):
         task = self._loading.get((index, key))
         if task is None:
             held = self._loras.get(key)
-            if held is None:
-                raise AdapterNotLoadedError(f"adapter {key[:12]} is not loaded; add it first")
+            if held is None or not held.paths:  # retiring: its owners' files may be gone
+                raise AdapterNotLoadedError(
+                    f"adapter {key[:12]} was removed while this request waited; add it again"
+                )
             task = asyncio.create_task(
                 self._load_on(index, held.name, held.source, held.pinned, expect=key)
             )
