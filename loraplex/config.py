@@ -318,7 +318,11 @@ class EngineConfig:
                 "EngineConfig.speculative_config must be a SpeculativeConfig or None "
                 "(engine_config() accepts a dict)"
             )
-        if self.model.tensor_parallel_size > 1 and spec is not None and spec.method == "draft_model":
+        if (
+            self.model.tensor_parallel_size > 1
+            and spec is not None
+            and spec.method == "draft_model"
+        ):
             raise ValueError(
                 "speculative decoding with a draft model is not supported with "
                 "tensor_parallel_size > 1; use method 'ngram' or tensor_parallel_size 1"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol
 
@@ -25,8 +26,7 @@ from loraplex.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfi
 from loraplex.engine.attention.base import AttentionBackend, BatchLayout
 from loraplex.engine.attention.select import select_backend
 from loraplex.engine.cuda_graphs import DecodeGraphRunner, build_decode_graphs
-from loraplex.engine.models.llama import LlamaForCausalLM
-from loraplex.engine.models.parallel import SINGLE, TPGroup
+from loraplex.engine.models.llama import DecoderLayer, LlamaForCausalLM
 from loraplex.engine.models.loader import (
     ModelSpec,
     build_spec,
@@ -34,6 +34,7 @@ from loraplex.engine.models.loader import (
     resolve_device,
     resolve_dtype,
 )
+from loraplex.engine.models.parallel import SINGLE, TPGroup
 from loraplex.engine.records import (
     RunnerOutput,
     ScheduledRequest,
@@ -91,7 +92,9 @@ class ModelRunner:
             model_dir, dtype, self.device, model_config.max_model_len, tp
         )
         self._spec = build_spec(model_dir, self.hf_config, dtype)
-        attn0 = self.model.model.layers[0].self_attn
+        layer0 = self.model.model.layers[0]
+        assert isinstance(layer0, DecoderLayer)
+        attn0 = layer0.self_attn
         # this rank's heads: what its attention and its share of the KV cache hold
         self._kv_spec = dataclasses.replace(
             self._spec, num_heads=attn0.num_heads, num_kv_heads=attn0.num_kv_heads
@@ -199,7 +202,7 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------------------
 
     def _layout(
-        self, reqs: list[ScheduledRequest] | list[StepRequest]
+        self, reqs: Sequence[ScheduledRequest | StepRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, BatchLayout]:
         bs = self.block_size
         qlens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=len(reqs))
@@ -233,7 +236,7 @@ class ModelRunner:
         return ids_t, pos_t, layout
 
     def _lora_step(
-        self, reqs: list[ScheduledRequest] | list[StepRequest], layout: BatchLayout
+        self, reqs: Sequence[ScheduledRequest | StepRequest], layout: BatchLayout
     ) -> AbstractContextManager[None]:
         """Token -> slot metadata for this step (the slots are activated); nothing when no
         token needs it."""

@@ -24,6 +24,7 @@ about what ``broadcast_object_list`` (two broadcasts and the same pickling) cost
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -48,7 +49,7 @@ from loraplex.engine.step_inputs import StepInputs
 logger = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_S = 300.0  # a collective waiting longer than this fails instead of hanging
-STARTUP_TIMEOUT_S = 300.0  # for every worker to start, connect and load its share
+STARTUP_TIMEOUT_S = 600.0  # for every worker to start, connect and load its share
 _AUTH_ENV = "LORAPLEX_TP_AUTHKEY"
 _HOST = "127.0.0.1"
 
@@ -169,9 +170,7 @@ class WorkerGroup:
         try:
             conns = _accept(listener, procs)
             for rank, conn in conns.items():
-                conn.send(
-                    _Setup(rank, size, store.port, backend, config, model_dir, threads)
-                )
+                conn.send(_Setup(rank, size, store.port, backend, config, model_dir, threads))
             group = TPGroup(0, size, _process_group(backend, store, 0, size), backend)
         except BaseException:
             _stop(procs, {})
@@ -206,8 +205,7 @@ class WorkerGroup:
             reply = self._recv(rank, conn)
             if isinstance(reply, _Failed):
                 raise TensorParallelError(
-                    f"tensor-parallel rank {rank} could not load adapter {name!r}: "
-                    f"{reply.message}"
+                    f"tensor-parallel rank {rank} could not load adapter {name!r}: {reply.message}"
                 )
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -269,9 +267,7 @@ class WorkerGroup:
             time.sleep(0.05)
 
 
-def _accept(
-    listener: Listener, procs: dict[int, subprocess.Popen[bytes]]
-) -> dict[int, Connection]:
+def _accept(listener: Listener, procs: dict[int, subprocess.Popen[bytes]]) -> dict[int, Connection]:
     """Each worker's authenticated connection, by rank; fails when one dies first."""
     arrived: queue.Queue[Connection | BaseException] = queue.Queue()
 
@@ -300,7 +296,9 @@ def _accept(
                         f"tensor-parallel {', '.join(dead)} while starting"
                     ) from None
                 if time.monotonic() > deadline:
-                    raise TensorParallelError("tensor-parallel workers did not connect in time")
+                    raise TensorParallelError(
+                        "tensor-parallel workers did not connect in time"
+                    ) from None
                 continue
             if isinstance(item, BaseException):
                 raise TensorParallelError(f"tensor-parallel worker connection: {item}") from item
@@ -314,10 +312,8 @@ def _accept(
 def _stop(procs: dict[int, subprocess.Popen[bytes]], conns: dict[int, Connection]) -> None:
     """Ask every worker to exit, then make sure it did."""
     for conn in conns.values():
-        try:
+        with contextlib.suppress(OSError, ValueError):  # already gone
             conn.send(_Shutdown())
-        except (OSError, ValueError):
-            pass
         conn.close()
     deadline = time.monotonic() + 5.0
     for p in procs.values():

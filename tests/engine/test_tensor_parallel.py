@@ -72,8 +72,7 @@ def greedy(
     """Per prompt, per token: (token, its logprob, the runner-up, its logprob)."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
     loras = [
-        None if a is None or not use_adapters else LoRARequest(a, adapters[a])
-        for a in ADAPTER_OF
+        None if a is None or not use_adapters else LoRARequest(a, adapters[a]) for a in ADAPTER_OF
     ]
     outs = llm.generate(PROMPTS, params, lora_request=loras, use_tqdm=False)
     result = []
@@ -123,7 +122,7 @@ def test_tp2_equals_tp1_greedy(models: dict[str, tuple[str, dict[str, str]]], ar
 def test_dead_worker_fails_the_engine_clearly(
     models: dict[str, tuple[str, dict[str, str]]],
 ) -> None:
-    model_dir, adapters = models["llama"]
+    model_dir, _ = models["llama"]
     llm = LLM(model_dir, tensor_parallel_size=2, **KNOBS)
     workers = llm.llm_engine.core.workers
     assert workers is not None
@@ -131,11 +130,11 @@ def test_dead_worker_fails_the_engine_clearly(
     try:
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)  # it works
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-        start = time.monotonic()
+        proc.wait(timeout=60)
+        # fails at once (gloo sees the closed peer), not after a collective timeout: a hang
+        # would stop this test at pytest's timeout
         with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code -9"):
             llm.generate([PROMPTS[1]], SamplingParams(max_tokens=2), use_tqdm=False)
-        assert time.monotonic() - start < 10  # failed, did not wait for a timeout
         with pytest.raises(TensorParallelError, match="cannot run another step"):
             llm.generate([PROMPTS[2]], SamplingParams(max_tokens=2), use_tqdm=False)
     finally:
@@ -165,8 +164,8 @@ def test_no_worker_outlives_a_killed_engine(
         assert engine.stdout is not None
         worker_pid = int(engine.stdout.readline())
         engine.kill()
-        engine.wait(timeout=10)
-        deadline = time.monotonic() + 10
+        engine.wait(timeout=60)
+        deadline = time.monotonic() + 60  # a bound for a paused machine, not a timing check
         while _alive(worker_pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _alive(worker_pid), f"worker {worker_pid} outlived its engine"
@@ -181,3 +180,37 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_unsupported_combinations_are_refused() -> None:
+    """Clear errors before any worker starts."""
+    from types import SimpleNamespace
+
+    from loraplex.engine.models.parallel import check_shardable
+    from loraplex.engine_args import engine_config
+
+    with pytest.raises(ValueError, match=r"triton.*tensor_parallel_size"):
+        engine_config(tensor_parallel_size=2, attention_backend="triton")
+    with pytest.raises(ValueError, match=r"draft model.*tensor_parallel_size"):
+        engine_config(
+            tensor_parallel_size=2,
+            speculative_config={"method": "draft_model", "model": "d", "num_speculative_tokens": 2},
+        )
+    with pytest.raises(ValueError, match="at least 1"):
+        engine_config(tensor_parallel_size=0)
+
+    def cfg(heads: int, kv: int, inter: int = 128) -> SimpleNamespace:
+        return SimpleNamespace(
+            num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter
+        )
+
+    check_shardable(cfg(8, 2), 4)  # one KV head replicated on two ranks each
+    check_shardable(cfg(8, 8), 4)
+    with pytest.raises(ValueError, match=r"number of attention heads \(4\)"):
+        check_shardable(cfg(4, 2), 3)
+    with pytest.raises(ValueError, match="intermediate_size"):
+        check_shardable(cfg(4, 2, inter=130), 4)
+    with pytest.raises(ValueError, match=r"key/value heads \(3\)"):
+        check_shardable(cfg(6, 3), 2)
+    with pytest.raises(ValueError, match="neither a divisor nor a multiple of the model's 3"):
+        check_shardable(cfg(12, 3), 4)

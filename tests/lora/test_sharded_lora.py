@@ -57,7 +57,9 @@ def rank_group(rank: int, size: int) -> TPGroup:
     return TPGroup(rank, size, LocalGroup())
 
 
-def lora_of(layer: Any, widths: list[int], adapters: dict[int, list[tuple[Any, Any]]]) -> LoRALinear:
+def lora_of(
+    layer: Any, widths: list[int], adapters: dict[int, list[tuple[Any, Any]]]
+) -> LoRALinear:
     """Wrap ``layer`` and fill a pool with its share of ``adapters`` (slot -> per slice
     (A [r, in_full], B [n_full, r]) or (None, None)), slot s at pages ``s * MAX_RANK ...``."""
     names = list(layer.output_slices)

@@ -77,10 +77,12 @@ class TPGroup:
             return value
         import torch.distributed as dist
 
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
+        )
         t = torch.tensor([value], dtype=torch.int64, device=device)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN
+        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
         self.group.allreduce([t], opts).wait()
         return int(t.item())
 
