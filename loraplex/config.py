@@ -38,6 +38,8 @@ class ModelConfig:
     attention_backend: AttentionBackendName = "auto"
     # never capture CUDA graphs; capture happens only on CUDA with attention_backend=triton
     enforce_eager: bool = False
+    # ranks that share every layer (engine/tensor_parallel.py): gloo on CPU, NCCL on CUDA
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
@@ -51,6 +53,14 @@ class ModelConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2; got {self.max_model_len}")
+        tp = self.tensor_parallel_size
+        if not _is_int(tp) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer of at least 1; got {tp!r}")
+        if tp > 1 and self.attention_backend == "triton":
+            raise ValueError(
+                "attention_backend 'triton' is not supported with tensor_parallel_size > 1 "
+                "(untested); use auto, torch or native"
+            )
 
 
 @dataclass(frozen=True)
@@ -307,4 +317,13 @@ class EngineConfig:
             raise ValueError(
                 "EngineConfig.speculative_config must be a SpeculativeConfig or None "
                 "(engine_config() accepts a dict)"
+            )
+        if (
+            self.model.tensor_parallel_size > 1
+            and spec is not None
+            and spec.method == "draft_model"
+        ):
+            raise ValueError(
+                "speculative decoding with a draft model is not supported with "
+                "tensor_parallel_size > 1; use method 'ngram' or tensor_parallel_size 1"
             )

@@ -106,6 +106,9 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("enforce_eager", "model",
               "no CUDA graphs (they capture decode steps on CUDA with the triton backend)",
               switch=True),
+    EngineArg("tensor_parallel_size", "model",
+              "ranks sharing every layer, one process each (gloo on CPU, NCCL on CUDA)",
+              positive_int),
     EngineArg("block_size", "cache", "tokens per KV block", positive_int),
     EngineArg("num_blocks", "cache", "KV cache blocks (instead of --kv-cache-memory)",
               positive_int),
@@ -148,6 +151,7 @@ class EngineKwargs(TypedDict, total=False):
     seed: int
     attention_backend: AttentionBackendName
     enforce_eager: bool
+    tensor_parallel_size: int
     block_size: int
     num_blocks: int | None
     kv_cache_memory: int | None

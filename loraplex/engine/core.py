@@ -10,6 +10,7 @@ from typing import Any
 from loraplex.config import EngineConfig
 from loraplex.engine.info import NO_TENANT, EngineInfo, EngineStats, LoRAStats, TenantStats
 from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.models.parallel import SINGLE
 from loraplex.engine.records import EngineCoreOutput
 from loraplex.engine.request import Request
 from loraplex.engine.runner import ModelRunner
@@ -17,6 +18,7 @@ from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.spec.build import build_proposer, build_spec_decoder
 from loraplex.engine.spec.decoder import SpecDecoder
 from loraplex.engine.structured import StructuredOutputs
+from loraplex.engine.tensor_parallel import WorkerGroup
 from loraplex.engine.thread_governor import ThreadGovernor
 from loraplex.grammar import GrammarBackend, LLGuidanceBackend
 from loraplex.lora.adapter import LoRAAdapter
@@ -69,9 +71,31 @@ class EngineCore:
         self.config = config
         self.model_dir = model_dir
         self._tokenizer = tokenizer
-        self.runner = ModelRunner(
-            config.model, config.cache, config.scheduler, model_dir, lora_config=config.lora
-        )
+        self.workers: WorkerGroup | None = None  # tensor parallelism: ranks 1..N-1
+        tp = SINGLE
+        if config.model.tensor_parallel_size > 1:
+            self.workers, tp = WorkerGroup.start(config, model_dir)
+        try:
+            self.runner = ModelRunner(
+                config.model,
+                config.cache,
+                config.scheduler,
+                model_dir,
+                lora_config=config.lora,
+                tp=tp,
+                followers=self.workers,
+            )
+            self._init_after_runner(config, tokenizer, grammar_backend)
+        except BaseException:
+            self.close()
+            raise
+
+    def _init_after_runner(
+        self,
+        config: EngineConfig,
+        tokenizer: Any | None,
+        grammar_backend: Callable[[], GrammarBackend] | None,
+    ) -> None:
         spec = self.runner.spec
         # A draft model takes its memory before the served model's KV cache is sized.
         proposer = None
@@ -131,7 +155,14 @@ class EngineCore:
     def add_lora(self, name: str, path: str, pinned: bool = False) -> LoRAAdapter:
         """Load and validate an adapter (``AdapterError`` when bad); returns it (key: its hash)."""
         assert self.runner.lora is not None
-        return self.runner.lora.add_adapter(path, name, pinned=pinned)
+        adapter = self.runner.lora.add_adapter(path, name, pinned=pinned)
+        if self.workers is not None:  # every rank keeps its share (read from the same files)
+            try:
+                self.workers.add_adapter(name, path)
+            except BaseException:
+                self.runner.lora.remove_adapter(adapter.content_hash)
+                raise
+        return adapter
 
     def remove_lora(self, key: str) -> None:
         """Forget an adapter. Refused while requests still use it."""
@@ -215,6 +246,11 @@ class EngineCore:
                 )
             )
         return outputs
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; also done at exit)."""
+        if self.workers is not None:
+            self.workers.close()
 
     def stats(self) -> EngineStats:
         kv, sched = self.kv, self.scheduler

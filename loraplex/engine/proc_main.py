@@ -249,7 +249,10 @@ def _run(
         except Exception as exc:
             loaded.append((spec, f"{type(exc).__name__}: {exc}"))
     conn.send(Ready(info, loaded))
-    _serve(conn, core)
+    try:
+        _serve(conn, core)
+    finally:
+        core.close()  # tensor-parallel workers (they also exit on their own once we are gone)
     return 0
 
 

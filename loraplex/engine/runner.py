@@ -4,12 +4,20 @@ One ``execute`` per engine step: copy-on-write block copies, flat batch construc
 per-token Python), one forward pass, logits for the sampling rows only, the sampler. A request
 with draft tokens (speculative decoding) has ``1 + k`` sampling rows, its last ones, and keeps
 the tokens ``rejection_sampler.py`` accepts.
+
+Tensor parallelism (``engine/tensor_parallel.py``): every rank has a runner over its share of
+the model. Rank 0's ``execute`` sends each step's ``StepInputs`` to the other ranks (its
+``Followers``) just before the forward pass; they run the same forward in ``follow`` and take
+part in the logits gather; only rank 0 samples.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -18,7 +26,7 @@ from loraplex.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfi
 from loraplex.engine.attention.base import AttentionBackend, BatchLayout
 from loraplex.engine.attention.select import select_backend
 from loraplex.engine.cuda_graphs import DecodeGraphRunner, build_decode_graphs
-from loraplex.engine.models.llama import LlamaForCausalLM
+from loraplex.engine.models.llama import DecoderLayer, LlamaForCausalLM
 from loraplex.engine.models.loader import (
     ModelSpec,
     build_spec,
@@ -26,6 +34,7 @@ from loraplex.engine.models.loader import (
     resolve_device,
     resolve_dtype,
 )
+from loraplex.engine.models.parallel import SINGLE, TPGroup
 from loraplex.engine.records import (
     RunnerOutput,
     ScheduledRequest,
@@ -34,10 +43,24 @@ from loraplex.engine.records import (
 )
 from loraplex.engine.rejection_sampler import accept_drafts, verification_rows
 from loraplex.engine.sampler import Sampler, SampleRow
+from loraplex.engine.step_inputs import StepInputs, StepRequest
 
 logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB
+
+
+class Followers(Protocol):
+    """Rank 0's handle on the other tensor-parallel ranks (``engine/tensor_parallel.py``)."""
+
+    def init_kv_cache(self) -> None:
+        """Tell every rank to size and allocate its KV cache (a collective)."""
+
+    def step(self, inputs: StepInputs) -> None:
+        """Send one step's inputs; every rank then runs its forward pass."""
+
+    def check(self, exc: BaseException) -> None:
+        """After ``exc`` in a step: raise a clear error when a rank died (else return)."""
 
 
 class ModelRunner:
@@ -48,18 +71,34 @@ class ModelRunner:
         scheduler_config: SchedulerConfig,
         model_dir: str,
         lora_config: LoRAConfig | None = None,
+        tp: TPGroup = SINGLE,
+        followers: Followers | None = None,
     ) -> None:
+        """``tp``: this runner's rank (its share of the model); ``followers``: on rank 0 of a
+        group of more than one, the other ranks."""
         self.model_config = model_config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
+        self.tp = tp
+        self.followers = followers
         self.device = resolve_device(model_config.device)
+        if tp.size > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", tp.rank)  # one GPU per rank
+            torch.cuda.set_device(self.device)
         dtype = resolve_dtype(model_config.dtype, self.device)
         torch.manual_seed(model_config.seed)
         self.model: LlamaForCausalLM
         self.model, self.hf_config = load_model(
-            model_dir, dtype, self.device, model_config.max_model_len
+            model_dir, dtype, self.device, model_config.max_model_len, tp
         )
         self._spec = build_spec(model_dir, self.hf_config, dtype)
+        layer0 = self.model.model.layers[0]
+        assert isinstance(layer0, DecoderLayer)
+        attn0 = layer0.self_attn
+        # this rank's heads: what its attention and its share of the KV cache hold
+        self._kv_spec = dataclasses.replace(
+            self._spec, num_heads=attn0.num_heads, num_kv_heads=attn0.num_kv_heads
+        )
         self.max_model_len = model_config.max_model_len or self._spec.max_position_embeddings
         if self.max_model_len > self._spec.max_position_embeddings:
             raise ValueError(
@@ -71,8 +110,8 @@ class ModelRunner:
             model_config.attention_backend,
             self.device,
             dtype,
-            self._spec.num_heads,
-            self._spec.num_kv_heads,
+            self._kv_spec.num_heads,
+            self._kv_spec.num_kv_heads,
         )
         self.sampler = Sampler(self._spec.vocab_size, self.device)
         self.kv_cache: torch.Tensor | None = None  # [layers, 2, num_blocks, block_size, H_kv, Dh]
@@ -87,6 +126,8 @@ class ModelRunner:
                 scheduler_config.max_num_batched_tokens,
                 self.device,
             )
+            if followers is not None:
+                self.lora.events = []  # rank 0 records its pool decisions for the others
         self.num_blocks = 0
         self.graphs: DecodeGraphRunner | None = None  # decode CUDA graphs (init_kv_cache)
 
@@ -98,7 +139,7 @@ class ModelRunner:
 
     def _num_blocks(self) -> int:
         cc = self.cache_config
-        per_block = self._spec.kv_bytes_per_block(self.block_size)
+        per_block = self._kv_spec.kv_bytes_per_block(self.block_size)  # this rank's heads
         if cc.num_blocks is not None:
             return cc.num_blocks
         if cc.kv_cache_memory is not None:
@@ -125,9 +166,14 @@ class ModelRunner:
         return int(num)
 
     def init_kv_cache(self) -> int:
-        """Allocate the KV cache (zeroed; block 0 is the null block) and return ``num_blocks``."""
-        num_blocks = self._num_blocks()
-        s = self._spec
+        """Allocate the KV cache (zeroed; block 0 is the null block) and return ``num_blocks``.
+
+        Under tensor parallelism every rank calls it (rank 0 tells the others) and all take the
+        smallest count any rank can hold: one block table serves every rank's share."""
+        if self.followers is not None:
+            self.followers.init_kv_cache()
+        num_blocks = self.tp.min_int(self._num_blocks())
+        s = self._kv_spec
         shape = self.attn.kv_cache_shape(num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
         self.kv_cache = torch.zeros((s.num_layers, *shape), dtype=s.dtype, device=self.device)
         self.model.bind_attention(self.attn, list(self.kv_cache.unbind(0)))
@@ -143,7 +189,7 @@ class ModelRunner:
             self.max_model_len,
             self.block_size,
             self.device,
-            self.model_config.enforce_eager,
+            self.model_config.enforce_eager or self.tp.size > 1,  # no graphs under TP
         )
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
@@ -156,7 +202,7 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------------------
 
     def _layout(
-        self, reqs: list[ScheduledRequest]
+        self, reqs: Sequence[ScheduledRequest | StepRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, BatchLayout]:
         bs = self.block_size
         qlens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=len(reqs))
@@ -190,35 +236,41 @@ class ModelRunner:
         return ids_t, pos_t, layout
 
     def _lora_step(
-        self, out: SchedulerOutput, reqs: list[ScheduledRequest], layout: BatchLayout
+        self, reqs: Sequence[ScheduledRequest | StepRequest], layout: BatchLayout
     ) -> AbstractContextManager[None]:
-        """Slot weights and token -> slot metadata for this step; nothing when no token needs it."""
+        """Token -> slot metadata for this step (the slots are activated); nothing when no
+        token needs it."""
         slots = np.fromiter((r.lora_slot for r in reqs), dtype=np.int64)  # [B]
         if self.lora is None or not (slots >= 0).any():
             return nullcontext()
-        self.lora.activate(out.lora_slots)
         token_slots = torch.from_numpy(np.repeat(slots, layout.query_lens))  # [T]
         self.lora.meta.prepare(token_slots.to(self.device))
         return self.lora.step.active(self.lora.meta)
 
     def _graph_step(
         self,
-        out: SchedulerOutput,
         reqs: list[ScheduledRequest],
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         layout: BatchLayout,
     ) -> torch.Tensor | None:  # [B, hidden]; None: run the step eagerly (capture failed)
-        """A decode step through the captured graphs: adapters loaded first, LoRA metadata
+        """A decode step through the captured graphs (adapters activated first), LoRA metadata
         refreshed by the graph runner (engine/cuda_graphs.py)."""
         assert self.graphs is not None
         slots = np.fromiter((r.lora_slot for r in reqs), dtype=np.int64, count=len(reqs))  # [B]
-        if self.lora is not None and out.lora_slots:
-            self.lora.activate(out.lora_slots)
         return self.graphs.run(input_ids, positions, layout, slots)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        if self.followers is None:
+            return self._execute(out)
+        try:
+            return self._execute(out)
+        except Exception as exc:
+            self.followers.check(exc)  # a rank died: say so
+            raise
+
+    def _execute(self, out: SchedulerOutput) -> RunnerOutput:
         if out.finished_request_ids:
             self.sampler.forget(out.finished_request_ids)
         if out.is_empty:
@@ -231,13 +283,17 @@ class ModelRunner:
         if self.lora is not None and out.lora_slots:
             # Rows grouped by adapter slot: the LoRA kernels then see contiguous segments.
             reqs = sorted(reqs, key=lambda r: r.lora_slot)
+            self.lora.activate(out.lora_slots)
         input_ids, positions, layout = self._layout(reqs)
+        if self.followers is not None:  # the other ranks run this step's forward with us
+            events = self.lora.take_events() if self.lora is not None else []
+            self.followers.step(StepInputs.of(out, reqs, events))
         hidden = None
         if self.graphs is not None and self.graphs.can_run(layout):
-            hidden = self._graph_step(out, reqs, input_ids, positions, layout)  # [B, hidden]
+            hidden = self._graph_step(reqs, input_ids, positions, layout)  # [B, hidden]
         if hidden is None:
             metadata = self.attn.build_metadata(layout)
-            with self._lora_step(out, reqs, layout):
+            with self._lora_step(reqs, layout):
                 hidden = self.model(input_ids, positions, metadata)  # [T, hidden]
 
         last_row = np.cumsum(layout.query_lens) - 1  # [B]
@@ -280,3 +336,24 @@ class ModelRunner:
             row.request_id: [lp] for row, lp in zip(rows, logprobs, strict=True) if lp is not None
         }
         return RunnerOutput(sampled=sampled, logprobs=lps)
+
+    @torch.inference_mode()
+    def follow(self, inputs: StepInputs) -> None:
+        """A rank other than 0: rank 0's step on this rank's share (its pool decisions first),
+        through the logits gather; nothing is sampled here."""
+        if self.kv_cache is None:
+            raise RuntimeError("call init_kv_cache() before follow()")
+        if self.lora is not None:
+            for event in inputs.lora_events:
+                self.lora.replay(event)
+        self.attn.copy_blocks(self.kv_cache, inputs.blocks_to_copy)
+        reqs = inputs.requests
+        input_ids, positions, layout = self._layout(reqs)
+        metadata = self.attn.build_metadata(layout)
+        with self._lora_step(reqs, layout):
+            hidden = self.model(input_ids, positions, metadata)  # [T, hidden]
+        last_rows = (np.cumsum(layout.query_lens) - 1).tolist()  # [B]
+        index = inputs.sample_index(last_rows)
+        if index:  # rank 0 computes logits exactly when some row samples
+            idx = torch.tensor(index, dtype=torch.long, device=self.device)  # [S]
+            self.model.compute_logits(hidden.index_select(0, idx))

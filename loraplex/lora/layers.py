@@ -6,6 +6,12 @@ pool rows per slice and the page index shared by all layers); the PEFT scaling o
 module) is folded into that slice's B rows, so one layer mixes adapters of any ranks and
 scalings without padding. The step's token -> slot metadata comes from ``LoRAStep``, set by the
 runner around exactly one forward pass; a step with no adapter token costs one attribute check.
+
+Under tensor parallelism the wrapped layer is the rank's share (``engine/models/parallel.py``)
+and the pool holds the rank's share of each adapter (``shard_lora``). The delta is added between
+the layer's ``forward_local`` and its ``reduce``: for a row-parallel layer both the base output
+and the delta (A's rows of the rank's input columns, B whole) are partial sums, and the layer's
+one all-reduce sums them together.
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ from loraplex.kernels.meta import LoRAKernelMeta
 class BaseLinear(Protocol):
     """What ``LoRALinear`` needs of the projection it wraps (the engine's ``Linear`` and
     ``PackedLinear``): its input width, its weight ``[out, in]``, its output slices by
-    checkpoint module (name -> (column offset, width)), and its forward."""
+    checkpoint module (name -> (column offset, width)), its forward split at the cross-rank
+    sum (``forward_local``, ``reduce``: the identity without tensor parallelism) and its share of
+    an adapter (``shard_lora``)."""
 
     in_features: int
     weight: torch.Tensor
@@ -34,6 +42,14 @@ class BaseLinear(Protocol):
     def output_slices(self) -> dict[str, tuple[int, int]]: ...
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def forward_local(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor: ...
+
+    def shard_lora(
+        self, shard: str, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class LoRAStep:
@@ -105,8 +121,8 @@ class LoRALinear(nn.Module):
             pool_b.index_fill_(0, rows[r:], 0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)  # [T, out]
+        y = self.base.forward_local(x)  # [T, out]; a partial sum on a row-parallel rank
         meta = self.step.meta
         if meta is not None and meta.has_lora and self.weights is not None:
             add_lora(y, x, self.weights, meta, backend=self.backend)
-        return y
+        return self.base.reduce(y)

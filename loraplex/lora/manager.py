@@ -36,6 +36,7 @@ from loraplex.lora.adapter import BaseModelInfo, LoRAAdapter, load_adapter
 from loraplex.lora.errors import AdapterError
 from loraplex.lora.layers import LoRALinear, LoRAStep
 from loraplex.lora.pool import AdapterPool, PoolFullError, Residency
+from loraplex.lora.replica import ClearSlot, FillPages, ForgetAdapter, PoolEvent, SetSlot
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,10 @@ class LoRAManager:
         self.dtype: torch.dtype = (
             model_dtype if config.lora_dtype == "auto" else _DTYPES[config.lora_dtype]
         )  # the pool's storage type
+        # Tensor parallelism, rank 0: every pool decision, for the other ranks to replay
+        # (``lora/replica.py``); None: not recorded.
+        self.events: list[PoolEvent] | None = None
+        self._replica_failed: dict[str, str] = {}  # other ranks: adapters whose fill failed
 
     # ---- the pool --------------------------------------------------------------------------
 
@@ -283,6 +288,7 @@ class LoRAManager:
         self._pinned.discard(key)
         if self.pool is not None:
             self.pool.evict(key, count=False)
+        self._record(ForgetAdapter(key))
 
     def has_adapter(self, key: str) -> bool:
         return key in self._sources
@@ -376,6 +382,7 @@ class LoRAManager:
         res = pool.reserve(key, self._ranks[key], in_use)
         if res is None:  # counted by the pool as deferred
             return False
+        self._record(FillPages(key, res.pages))
         adapter = self._host.get(key)
         if adapter is not None:
             self._host.move_to_end(key)
@@ -451,6 +458,7 @@ class LoRAManager:
                         a = a.pin_memory().to(self.device, non_blocking=True)
                         b = b.pin_memory().to(self.device, non_blocking=True)
                     scaling = adapter.scaling_of(i, module)
+                    a, b = layer.base.shard_lora(module, a, b)  # this rank's share
                 layer.write_rows(j, rows[module], a, b, scaling)
 
     def _load_now(
@@ -474,6 +482,7 @@ class LoRAManager:
                     f"the adapter pool has no room for {self._names[key]!r}: every resident "
                     "adapter is in use or pinned; raise --lora-memory or lower --max-loras"
                 )
+            self._record(FillPages(key, res.pages))
             adapter = self._host.get(key)
             self._finish(key, _done(self._load_job(key, adapter, res)))
         res = pool.get(key)
@@ -491,6 +500,7 @@ class LoRAManager:
 
     def _clear_slot(self, slot: int) -> None:
         assert self._slot_ranks is not None
+        self._record(ClearSlot(slot))
         self._slot_ranks[:, slot] = 0
         self._slot_state[slot] = None
         for _, layer in self.layers:
@@ -526,6 +536,50 @@ class LoRAManager:
         for _, layer in self.layers:
             assert layer.weights is not None
             layer.weights.invalidate(slot)
+        self._record(SetSlot(slot, res.key, res.generation, res.pages))
+
+    # ---- tensor parallelism: rank 0 records, the other ranks replay --------------------------
+
+    def _record(self, event: PoolEvent) -> None:
+        if self.events is not None:
+            self.events.append(event)
+
+    def take_events(self) -> list[PoolEvent]:
+        """The decisions recorded since the last call (rank 0), oldest first."""
+        if self.events is None:
+            return []
+        events, self.events = self.events, []
+        return events
+
+    def replay(self, event: PoolEvent) -> None:
+        """Apply one of rank 0's decisions to this rank's pool (its share of each adapter, read
+        from this rank's host cache or from disk). A fill that fails here is fatal only when a
+        slot later points at it: rank 0 failed it too, unless the file changed between reads."""
+        self._require_pool()
+        if isinstance(event, FillPages):
+            res = Residency(event.key, {m: list(p) for m, p in event.pages.items()})
+            try:
+                parsed = self._load_job(event.key, self._host.get(event.key), res)
+            except Exception as exc:
+                self._replica_failed[event.key] = f"{type(exc).__name__}: {exc}"
+                return
+            self._replica_failed.pop(event.key, None)
+            if parsed is not None:
+                self._put_host(event.key, parsed)
+        elif isinstance(event, SetSlot):
+            why = self._replica_failed.get(event.key)
+            if why is not None:
+                raise RuntimeError(
+                    f"adapter {self._names.get(event.key, event.key[:12])!r} could not be "
+                    f"loaded on this tensor-parallel rank ({why}) but rank 0 uses it"
+                )
+            self._write_slot(
+                event.slot, Residency(event.key, dict(event.pages), "ready", event.generation)
+            )
+        elif isinstance(event, ClearSlot):
+            self._clear_slot(event.slot)
+        else:
+            self.remove_adapter(event.key)
 
     def close(self) -> None:
         if self._executor is not None:

@@ -79,6 +79,22 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_gemm.linear(x, self.weight, self.packed, self.bias)  # [T, out_features]
 
+    # Tensor parallelism (``models/parallel.py``): a LoRA wrapper adds its delta between
+    # ``forward_local`` and ``reduce``, on the rank's share of the adapter (``shard_lora``).
+    def forward_local(self, x: torch.Tensor) -> torch.Tensor:
+        """The output before any cross-rank sum (here: the whole output)."""
+        return self.forward(x)
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The cross-rank sum of ``forward_local``'s output (here: none)."""
+        return y
+
+    def shard_lora(
+        self, shard: str, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of module ``shard``'s adapter A ``[r, in]``, B ``[out, r]``."""
+        return a, b
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
 

@@ -25,6 +25,17 @@ from loraplex.engine.models.layers import (
     RotaryEmbedding,
     rope_parameters,
 )
+from loraplex.engine.models.parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    gather_logits,
+    kv_heads_of,
+    split,
+)
 from loraplex.kernels import cpu_ops, packed_gemm
 
 
@@ -65,6 +76,8 @@ class Embedding(nn.Module):
 
 
 class Attention(nn.Module):
+    """Self-attention over this rank's heads (all of them without tensor parallelism)."""
+
     def __init__(
         self,
         cfg: Any,
@@ -72,17 +85,31 @@ class Attention(nn.Module):
         opts: DecoderOptions,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TPGroup = SINGLE,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads: int = cfg.num_attention_heads
-        self.num_kv_heads: int = cfg.num_key_value_heads or cfg.num_attention_heads
-        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        heads: int = cfg.num_attention_heads
+        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        self.num_heads = split(heads, tp, "number of attention heads")
+        self.num_kv_heads, first_kv = kv_heads_of(cfg.num_key_value_heads or heads, tp)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         shards = {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}
-        self.qkv_proj = PackedLinear(cfg.hidden_size, shards, opts.qkv_bias, dtype, device)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, opts.o_bias, dtype, device)
+        self.qkv_proj: PackedLinear
+        self.o_proj: Linear
+        if tp.size == 1:
+            self.qkv_proj = PackedLinear(cfg.hidden_size, shards, opts.qkv_bias, dtype, device)
+            self.o_proj = Linear(self.q_size, cfg.hidden_size, opts.o_bias, dtype, device)
+        else:
+            kv_start = first_kv * self.head_dim
+            starts = {"q_proj": tp.rank * self.q_size, "k_proj": kv_start, "v_proj": kv_start}
+            self.qkv_proj = ColumnParallelLinear(
+                cfg.hidden_size, shards, starts, opts.qkv_bias, dtype, device
+            )
+            self.o_proj = RowParallelLinear(
+                self.q_size, cfg.hidden_size, opts.o_bias, dtype, device, tp
+            )
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if opts.qk_norm:
@@ -116,17 +143,35 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU over this rank's share of the intermediate width."""
+
     def __init__(
-        self, cfg: Any, opts: DecoderOptions, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: Any,
+        opts: DecoderOptions,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TPGroup = SINGLE,
     ) -> None:
         super().__init__()
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
-        inter: int = cfg.intermediate_size
+        inter = split(int(cfg.intermediate_size), tp, "intermediate_size")
         self.intermediate_size = inter
         shards = {"gate_proj": inter, "up_proj": inter}
-        self.gate_up_proj = PackedLinear(cfg.hidden_size, shards, opts.mlp_bias, dtype, device)
-        self.down_proj = Linear(inter, cfg.hidden_size, opts.mlp_bias, dtype, device)
+        self.gate_up_proj: PackedLinear
+        self.down_proj: Linear
+        if tp.size == 1:
+            self.gate_up_proj = PackedLinear(cfg.hidden_size, shards, opts.mlp_bias, dtype, device)
+            self.down_proj = Linear(inter, cfg.hidden_size, opts.mlp_bias, dtype, device)
+        else:
+            starts = {"gate_proj": tp.rank * inter, "up_proj": tp.rank * inter}
+            self.gate_up_proj = ColumnParallelLinear(
+                cfg.hidden_size, shards, starts, opts.mlp_bias, dtype, device
+            )
+            self.down_proj = RowParallelLinear(
+                inter, cfg.hidden_size, opts.mlp_bias, dtype, device, tp
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * inter] = gate | up
@@ -141,10 +186,11 @@ class DecoderLayer(nn.Module):
         opts: DecoderOptions,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TPGroup = SINGLE,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx, opts, dtype, device)
-        self.mlp = MLP(cfg, opts, dtype, device)
+        self.self_attn = Attention(cfg, layer_idx, opts, dtype, device, tp)
+        self.mlp = MLP(cfg, opts, dtype, device, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -177,13 +223,20 @@ class DecoderModel(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         embed_transposed: bool = False,
+        tp: TPGroup = SINGLE,
     ) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(
-            cfg.vocab_size, cfg.hidden_size, dtype, device, transposed=embed_transposed
-        )
+        self.embed_tokens: Embedding | VocabParallelEmbedding
+        if tp.size == 1:
+            self.embed_tokens = Embedding(
+                cfg.vocab_size, cfg.hidden_size, dtype, device, transposed=embed_transposed
+            )
+        else:
+            self.embed_tokens = VocabParallelEmbedding(
+                cfg.vocab_size, cfg.hidden_size, dtype, device, tp, transposed=embed_transposed
+            )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, opts, dtype, device) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, i, opts, dtype, device, tp) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -238,10 +291,18 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def __init__(
-        self, cfg: Any, max_position: int, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: Any,
+        max_position: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TPGroup = SINGLE,
     ) -> None:
+        """``tp``: build this rank's share of every layer (``models/parallel.py``)."""
         super().__init__()
         self.config = cfg
+        self.tp = tp
+        self.vocab_size = int(cfg.vocab_size)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.model = DecoderModel(
             cfg,
@@ -251,11 +312,15 @@ class LlamaForCausalLM(nn.Module):
             device,
             # the tied head's logits as a plain GEMM on the CPU (see Embedding)
             embed_transposed=self.tie_word_embeddings and device.type == "cpu",
+            tp=tp,
         )
         self.lm_head: Linear | None = None
         self.tied_head_packed: torch.Tensor | None = None  # pack_weights(), tied head on CPU
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+            if tp.size == 1:
+                self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, device)
+            else:
+                self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, dtype, device, tp)
 
     def bind_attention(self, backend: AttentionBackend, kv_caches: list[torch.Tensor]) -> None:
         """Give every attention layer the backend and its own layer of the KV cache."""
@@ -281,8 +346,11 @@ class LlamaForCausalLM(nn.Module):
             self.tied_head_packed = packed_gemm.pack(self.model.embed_tokens.weight.t())
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [S, hidden]`` (the sampling rows only) -> logits ``[S, vocab_size]``."""
+        """``hidden [S, hidden]`` (the sampling rows only) -> logits ``[S, vocab_size]`` (with
+        tensor parallelism: on rank 0; every rank must call it, the logits are gathered)."""
         if self.lm_head is None:
-            embed = self.model.embed_tokens.weight  # [vocab, hidden]
-            return packed_gemm.linear(hidden, embed, self.tied_head_packed)
-        return self.lm_head(hidden)
+            embed = self.model.embed_tokens.weight  # [vocab (this rank's rows), hidden]
+            logits = packed_gemm.linear(hidden, embed, self.tied_head_packed)
+        else:
+            logits = self.lm_head(hidden)
+        return gather_logits(logits, self.vocab_size, self.tp)  # [S, vocab_size]

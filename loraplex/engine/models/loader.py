@@ -19,6 +19,7 @@ from transformers import AutoConfig
 from loraplex.engine.models import ARCHITECTURES
 from loraplex.engine.models.layers import Linear
 from loraplex.engine.models.llama import LlamaForCausalLM
+from loraplex.engine.models.parallel import SINGLE, TPGroup, VocabParallelEmbedding
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -198,7 +199,9 @@ def load_weights(model: LlamaForCausalLM, model_dir: str) -> None:
                 tensor = f.get_tensor(name)
                 try:
                     if isinstance(module, Linear):
-                        module.load_shard(attr, shard, tensor)
+                        module.load_shard(attr, shard, tensor)  # narrows to the rank's share
+                    elif isinstance(module, VocabParallelEmbedding):
+                        module.load_weight(tensor)
                     else:
                         _copy(params[param_name], tensor)
                 except ValueError as e:
@@ -218,10 +221,12 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     max_model_len: int | None = None,
+    tp: TPGroup = SINGLE,
 ) -> tuple[LlamaForCausalLM, Any]:
     """Build the model of ``model_dir/config.json`` and fill it from its safetensors.
 
-    ``max_model_len`` sizes the rope tables (default: the model's maximum context).
+    ``max_model_len`` sizes the rope tables (default: the model's maximum context); ``tp``: build
+    and load this rank's share only.
     """
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ValueError(f"{model_dir} is not a Hugging Face model directory (no config.json)")
@@ -230,7 +235,7 @@ def load_model(
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     max_position = max_model_len or max_positions(hf_config)
-    model = cls(hf_config, max_position, torch_dtype, dev)
+    model = cls(hf_config, max_position, torch_dtype, dev, tp)
     load_weights(model, model_dir)
     model.pack_weights()
     return model.eval(), hf_config
