@@ -87,6 +87,7 @@ BENCH_KNOBS = (
     "lora_dtype",
     "attention_backend",
     "enforce_eager",
+    "tensor_parallel_size",
 )
 
 
