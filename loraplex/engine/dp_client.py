@@ -89,10 +89,13 @@ def usable_cpu_list() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def replica_placements(size: int, device: str = "cpu") -> list[tuple[Placement, int]]:
+def replica_placements(
+    size: int, device: str = "cpu", tensor_parallel_size: int = 1
+) -> list[tuple[Placement, int]]:
     """Each replica's placement and torch thread count: disjoint contiguous shares of this
-    process's CPUs (threads: its share of the usable CPUs, a cgroup quota included), and on
-    CUDA one visible GPU each. ``ValueError`` saying why when ``size`` does not fit."""
+    process's CPUs (threads: its share of the usable CPUs, a cgroup quota included; a
+    tensor-parallel replica's ranks split its share), and on CUDA ``tensor_parallel_size``
+    visible GPUs each. ``ValueError`` saying why when ``size`` does not fit."""
     from loraplex.cpu_threads import usable_cpus
 
     if size < 1:
@@ -106,14 +109,19 @@ def replica_placements(size: int, device: str = "cpu") -> list[tuple[Placement, 
                 f"--device {device} names one GPU; with --data-parallel-size {size} use "
                 "--device cuda (each replica gets one of the visible GPUs)"
             )
-        if size > len(gpus):
+        tp = tensor_parallel_size
+        if size * tp > len(gpus):
             raise ValueError(
-                f"--data-parallel-size {size} needs {size} GPUs (one per replica), but "
-                f"{len(gpus)} are visible; lower it or make more GPUs visible"
+                f"--data-parallel-size {size} with tensor_parallel_size {tp} needs "
+                f"{size * tp} GPUs ({tp} per replica), but {len(gpus)} are visible; lower "
+                "them or make more GPUs visible"
             )
-        shares = _split(cpus, size) if size <= usable else [() for _ in range(size)]
+        shares = _split(cpus, size) if size <= usable else [[] for _ in range(size)]
         threads = max(1, usable // size)
-        return [(Placement(tuple(s), gpus[i]), threads) for i, s in enumerate(shares)]
+        return [
+            (Placement(tuple(share), ",".join(gpus[i * tp : (i + 1) * tp])), threads)
+            for i, share in enumerate(shares)
+        ]
     if size > usable:
         raise ValueError(
             f"--data-parallel-size {size} needs at least {size} CPUs (one per replica), but "
@@ -193,7 +201,9 @@ class DataParallelClient(EngineClient):
             raise ValueError(f"--dp-routing must be one of {', '.join(ROUTING_POLICIES)}")
         replicas = [
             ProcEngineClient(config, model_dir, num_threads=threads, placement=placement)
-            for placement, threads in replica_placements(size, config.model.device)
+            for placement, threads in replica_placements(
+                size, config.model.device, config.model.tensor_parallel_size
+            )
         ]
         return cls(replicas, routing)
 
