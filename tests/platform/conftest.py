@@ -111,3 +111,43 @@ async def tenancy(
 
     async with tenancy_env(tmp_path, fake, tokenizer, database_url=database_url) as env:
         yield env
+
+
+# ---- several platform replicas on one database (tests/utils/replicas.py) ----------------------
+
+SHARED = ["sqlite", "postgresql"]
+
+
+@pytest.fixture(params=SHARED)
+def shared_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """The URL of a fresh database at the newest schema that several replicas open: one SQLite
+    file, or a PostgreSQL database (skipped where PostgreSQL is missing)."""
+    if request.param == "sqlite":
+        from loraplex.platform.db.database import sqlite_url
+
+        yield sqlite_url(tmp_path / "shared.db")
+        return
+    server = request.getfixturevalue("pg_server")
+    url = server.create_database()
+    yield url
+    server.drop_database(url)
+
+
+@pytest.fixture
+def pg_url(pg_server: Any) -> Iterator[str]:
+    url = pg_server.create_database()
+    yield url
+    pg_server.drop_database(url)
+
+
+@pytest.fixture
+async def replicas(
+    tmp_path: Path, tokenizer_dir: str, tokenizer: Any, shared_url: str
+) -> AsyncIterator[Any]:
+    """Two replicas (``list[TenancyEnv]``) on ``shared_url``, lifespans entered."""
+    from contextlib import AsyncExitStack
+
+    from tests.utils.replicas import open_replicas
+
+    async with AsyncExitStack() as stack:
+        yield await open_replicas(stack, tmp_path, tokenizer_dir, tokenizer, shared_url)

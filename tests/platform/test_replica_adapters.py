@@ -16,9 +16,9 @@ import pytest
 from sqlalchemy import func, select
 
 from loraplex.platform.db.models import AdapterBlob, PlatformEvent
-from tests.platform.replicas.conftest import open_replicas
 from tests.utils import registry as rf
 from tests.utils.registry import RegistryEngine, upload
+from tests.utils.replicas import open_replicas
 from tests.utils.tenancy import TenancyEnv, bearer
 
 pytestmark = pytest.mark.anyio
