@@ -224,6 +224,8 @@ class ThroughputOptions:
         argv += [f"--attention-backend={knobs['attention_backend']}"]
         argv += [f"--lora-dtype={knobs['lora_dtype']}"] if knobs["lora_dtype"] != "auto" else []
         argv += ["--enforce-eager"] if knobs["enforce_eager"] else []
+        tp = knobs["tensor_parallel_size"]
+        argv += [f"--tensor-parallel-size={tp}"] if tp != 1 else []
         argv += ["--chat"] if self.chat else []
         argv += ["--skip-hf"] if self.skip_hf else []
         argv += ["--profile", f"--profile-requests={self.profile_requests}"] if self.profile else []

@@ -73,10 +73,12 @@ def test_the_reproduce_line_parses_back_to_the_same_run() -> None:
          "--adapter-ranks", "4,8", "--max-cpu-loras", "300"],
         ["--num-adapters", "1,2", "--lora-memory", "2GiB", "--max-loras", "2"],
         ["--num-adapters", "32,64", "--lora-dtype", "float16"],
+        ["--skip-hf", "--tensor-parallel-size", "2", "--enforce-eager", "--num-blocks", "64"],
     ):  # fmt: skip
         opts = _options(argv)
         again = _options(shlex.split(opts.command_line())[3:])
         assert view(again) == view(opts)
+        assert again.engine.config == opts.engine.config  # every engine knob the bench takes
         assert again.command_line() == opts.command_line()
 
 
