@@ -179,28 +179,29 @@ _F32 = torch.float32
 _I32 = torch.int32
 
 
-def try_native(
+def prepare_call(
     y: torch.Tensor, x: torch.Tensor, weights: LoRALayerWeights, meta: LoRAKernelMeta
-) -> bool:
-    """``add_lora_native`` when ``native_fits`` holds (True), else nothing (False).
+) -> int | None:
+    """The address of the layer's ``lp_lora_call`` set up for this x and y, or None when
+    ``native_fits`` does not hold (then nothing is set).
 
     This runs for every LoRA layer of every step, so it does the least per call: what belongs to
     the layer (the pools' type, device and layout, the kernels being built) is checked once,
     when its ``NativeLoRAArgs`` are made; per call only x and y (type, device, 2-D, unit column
-    stride, shapes against the step and the pool) are, in a few attribute reads, and the kernel's
-    arguments are one preset struct of which 7 fields are set. The kernel itself checks every
-    slot, rank and page the batch names before it writes.
+    stride, shapes against the step and the pool) are, in a few attribute reads, and 7 fields of
+    the preset struct are set. The kernel itself checks every slot, rank and page the batch
+    names before it writes.
     """
     args = weights.caches.get(CACHE_KEY)
     if not isinstance(args, NativeLoRAArgs):
         if not native_fits(y, x, weights):
-            return False
+            return None
         args = native_args(weights)
     if x.dtype is not _F32 or y.dtype is not _F32 or not (x.is_cpu and y.is_cpu):
-        return False
+        return None
     xs, ys = x.stride(), y.stride()
     if len(xs) != 2 or len(ys) != 2 or xs[1] != 1 or ys[1] != 1:
-        return False
+        return None
     T = meta.num_tokens
     (xt, xin), (yt, yout) = x.shape, y.shape
     if xt != T or yt != T:
@@ -213,22 +214,37 @@ def try_native(
         raise ValueError(f"lora_a has in_features {weights.in_features}, x has {xin}")
     if args.out_end > yout:
         raise ValueError(f"the slices need {args.out_end} columns, y has {yout}")
-    if not meta.has_lora:
-        return True
     slots = meta.token_slots
     if slots.dtype is not _I32 or not slots.is_cpu:
         raise ValueError("meta.token_slots must be int32 on the CPU for the native backend")
-    lib = native.library()
-    assert lib is not None  # args exist only where the kernels are built
     call = args.call
     call.y, call.y_stride = y.data_ptr(), ys[0]
     call.x, call.x_stride = x.data_ptr(), xs[0]
     call.num_tokens, call.slots = T, slots.data_ptr()
     call.num_threads = native.num_threads()
-    if lib.lp_lora_add_call(args.call_ptr) != 0:
-        raise RuntimeError(
-            f"lp_lora_add rejected its arguments: a slot >= max_loras ({weights.max_loras}), a "
-            f"rank outside [0, {weights.max_rank}] or a page outside its pool "
-            f"({weights.num_pages} rows); check_page_index says which"
-        )
+    return args.call_ptr
+
+
+def rejected(weights: LoRALayerWeights) -> RuntimeError:
+    """What a call the kernel refused raises."""
+    return RuntimeError(
+        f"lp_lora_add rejected its arguments: a slot >= max_loras ({weights.max_loras}), a "
+        f"rank outside [0, {weights.max_rank}] or a page outside its pool "
+        f"({weights.num_pages} rows); check_page_index says which"
+    )
+
+
+def try_native(
+    y: torch.Tensor, x: torch.Tensor, weights: LoRALayerWeights, meta: LoRAKernelMeta
+) -> bool:
+    """``add_lora_native`` when ``native_fits`` holds (True), else nothing (False)."""
+    call = prepare_call(y, x, weights, meta)
+    if call is None:
+        return False
+    if not meta.has_lora:
+        return True
+    lib = native.library()
+    assert lib is not None  # a call exists only where the kernels are built
+    if lib.lp_lora_add_call(call) != 0:
+        raise rejected(weights)
     return True

@@ -37,13 +37,13 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, Protocol, get_args
 
 import torch
 
-from loraplex.kernels import native
+from loraplex.kernels import native, packed_gemm
 from loraplex.kernels.lora_expand import lora_expand
-from loraplex.kernels.lora_native import try_native
+from loraplex.kernels.lora_native import prepare_call, try_native
 from loraplex.kernels.lora_shrink import HAS_TRITON, lora_shrink
 from loraplex.kernels.lora_weights import LoRALayerWeights
 from loraplex.kernels.meta import LoRAKernelMeta, SegmentGroup
@@ -308,6 +308,34 @@ def add_lora(
         _native_pays(weights, meta) and try_native(y, x, weights, meta)
     ):
         add_lora_torch(y, x, weights, meta)
+
+
+class GemmLayer(Protocol):
+    """A projection whose local output is ``packed_gemm.linear(x, *local_gemm())``."""
+
+    def local_gemm(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]: ...
+
+
+def fused_linear_lora(
+    base: GemmLayer,
+    x: torch.Tensor,
+    weights: LoRALayerWeights,
+    meta: LoRAKernelMeta,
+    backend: LoRABackend | None,
+) -> torch.Tensor | None:
+    """``base``'s local output with the step's LoRA delta added, in one native call (the packed
+    GEMM, the adapters' rows fetched while it computes, then the LoRA tiles from cache), or None
+    where that does not apply: not the native backend, a step the torch path does better, a
+    batch beyond the packed kernel's rows, an unpacked weight. Then the caller runs the GEMM
+    and ``add_lora``."""
+    if backend != "native" or not meta.has_lora or not _native_pays(weights, meta):
+        return None
+    weight, packed, bias = base.local_gemm()
+    if packed is None:
+        return None
+    return packed_gemm.linear_lora(
+        x, weight, packed, bias, lambda y: prepare_call(y, x, weights, meta)
+    )
 
 
 def _native_pays(weights: LoRALayerWeights, meta: LoRAKernelMeta) -> bool:

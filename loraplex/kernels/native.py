@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 NATIVE_ENV = "LORAPLEX_NATIVE"
 _SOURCES = ("cpu_kernels.c", "gemm.c")  # compiled into one library
-_HEADERS = ("lp_simd.h",)
+_HEADERS = ("lp_simd.h", "lp_lora.h")
 _LIB = "libloraplex_cpu.so"
 
 _c_int64 = ctypes.c_int64
@@ -142,6 +142,12 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.lp_gemm_packed.argtypes = [
         i64, i64, i64, ptr, i64,  # m, n, k, x, ldx
         ptr, ptr, ptr, i64, c_int,  # packed, bias (or None), y, ldy, num_threads
+    ]  # fmt: skip
+    lib.lp_gemm_packed_lora.restype = c_int
+    lib.lp_gemm_packed_lora.argtypes = [
+        i64, i64, i64, ptr, i64,  # m, n, k, x, ldx
+        ptr, ptr, ptr, i64, c_int,  # packed, bias (or None), y, ldy, num_threads
+        ptr,  # const lp_lora_call * (its y is this y)
     ]  # fmt: skip
     return lib
 

@@ -12,6 +12,8 @@ Face; ``tests/kernels/test_packed_gemm.py`` compares this kernel with torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -65,6 +67,39 @@ def linear(
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError("native kernel lp_gemm_packed rejected its arguments")
+    return y
+
+
+def linear_lora(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    packed: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    lora_call: Callable[[torch.Tensor], int | None],
+) -> torch.Tensor | None:
+    """``linear`` with a LoRA delta added in the same native call (``lp_gemm_packed_lora``:
+    the adapters' rows are fetched while the GEMM computes), or None where the packed kernel
+    does not apply or ``lora_call(y)`` (the address of an ``lp_lora_call`` set up for this
+    ``y`` and ``x``) gives None: then the caller runs the two steps itself."""
+    lib = native.library() if packed is not None and _applies(x, weight, bias) else None
+    if lib is None or packed is None:
+        return None
+    rows, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(rows, n, dtype=x.dtype)  # [T, out]
+    call = lora_call(y)
+    if call is None:
+        return None
+    rc = lib.lp_gemm_packed_lora(
+        rows, n, k, native.ptr(x), x.stride(0),
+        native.ptr(packed), None if bias is None else native.ptr(bias),
+        native.ptr(y), n, native.num_threads(), call,
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(
+            "native kernel lp_gemm_packed_lora rejected its arguments: a LoRA slot, rank or page "
+            "out of range (check_page_index says which), or shapes that do not match"
+        )
     return y
 
 

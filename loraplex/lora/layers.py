@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from loraplex.kernels.lora_ops import LoRABackend, add_lora, select_backend
+from loraplex.kernels.lora_ops import LoRABackend, add_lora, fused_linear_lora, select_backend
 from loraplex.kernels.lora_weights import LoRALayerWeights
 from loraplex.kernels.meta import LoRAKernelMeta
 
@@ -50,6 +50,8 @@ class BaseLinear(Protocol):
     def shard_lora(
         self, shard: str, a: torch.Tensor, b: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def local_gemm(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]: ...
 
 
 class LoRAStep:
@@ -121,8 +123,12 @@ class LoRALinear(nn.Module):
             pool_b.index_fill_(0, rows[r:], 0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base.forward_local(x)  # [T, out]; a partial sum on a row-parallel rank
-        meta = self.step.meta
-        if meta is not None and meta.has_lora and self.weights is not None:
+        base, meta = self.base, self.step.meta
+        if meta is None or not meta.has_lora or self.weights is None:
+            return base.reduce(base.forward_local(x))
+        # [T, out]; a partial sum on a row-parallel rank
+        y = fused_linear_lora(base, x, self.weights, meta, self.backend)
+        if y is None:  # not the native CPU path: the GEMM, then the delta
+            y = base.forward_local(x)
             add_lora(y, x, self.weights, meta, backend=self.backend)
-        return self.base.reduce(y)
+        return base.reduce(y)

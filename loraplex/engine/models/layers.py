@@ -89,6 +89,11 @@ class Linear(nn.Module):
         """The cross-rank sum of ``forward_local``'s output (here: none)."""
         return y
 
+    def local_gemm(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``forward_local`` as ``packed_gemm.linear(x, *local_gemm())``: weight, packed copy,
+        bias (a LoRA wrapper runs the same GEMM with its delta in one native call)."""
+        return self.weight, self.packed, self.bias
+
     def shard_lora(
         self, shard: str, a: torch.Tensor, b: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -203,6 +203,9 @@ class RowParallelLinear(Linear):
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(y)
 
+    def local_gemm(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        return self.weight, self.packed, self.bias if self.tp.rank == 0 else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.reduce(self.forward_local(x))  # [T, out]
 

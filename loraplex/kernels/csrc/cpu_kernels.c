@@ -13,6 +13,7 @@
 #include <omp.h>
 #include <stdlib.h>
 
+#include "lp_lora.h"
 #include "lp_simd.h"
 
 #define LP_MAX_GROUP 64   /* query heads per KV head */
@@ -464,35 +465,27 @@ static int lp_lora_check_slot(int32_t s, int64_t max_rank, const int32_t *pages,
     return live;
 }
 
-int lp_lora_add(float *y, int64_t y_stride, const float *x, int64_t x_stride, int64_t num_tokens,
-                int64_t in_features, const int32_t *slots, int64_t max_loras, int64_t max_rank,
-                const int32_t *pages, int64_t p_slice_stride, int64_t p_slot_stride,
-                const int32_t *ranks, int64_t r_slice_stride, int64_t num_slices,
-                const void *const *a_pools, const void *const *b_pools, int pool_dtype,
-                const int64_t *pool_rows, const int64_t *widths, const int64_t *offsets,
-                int num_threads) {
-    if (max_rank > LP_MAX_RANK || max_rank < 0 || max_loras <= 0) return -1;
-    if (pool_dtype != LP_F32 && pool_dtype != LP_F16 && pool_dtype != LP_BF16) return -1;
-    if (num_tokens <= 0) return 0;
-    int64_t *tiles = (int64_t *)malloc(sizeof(int64_t) * (size_t)num_tokens); /* tile starts */
-    /* per slot: 0 unchecked, 1 adds something, 2 rank 0 in every slice */
-    int8_t *state = (int8_t *)calloc((size_t)max_loras, 1);
-    if (tiles == NULL || state == NULL) {
-        free(tiles);
-        free(state);
+int64_t lp_lora_plan(const lp_lora_call *c, int64_t **tiles_out) {
+    *tiles_out = NULL;
+    if (c->max_rank > LP_MAX_RANK || c->max_rank < 0 || c->max_loras <= 0) return -1;
+    if (c->pool_dtype != LP_F32 && c->pool_dtype != LP_F16 && c->pool_dtype != LP_BF16)
         return -1;
-    }
+    if (c->num_tokens <= 0) return 0;
+    int64_t *tiles = (int64_t *)malloc(sizeof(int64_t) * (size_t)c->num_tokens); /* tile starts */
+    /* per slot: 0 unchecked, 1 adds something, 2 rank 0 in every slice */
+    int8_t *state = (int8_t *)calloc((size_t)c->max_loras, 1);
+    if (tiles == NULL || state == NULL) goto reject;
     int64_t num_tiles = 0;
-    for (int64_t t = 0; t < num_tokens;) {
-        const int32_t s = slots[t];
-        if (s >= max_loras) goto reject;
+    for (int64_t t = 0; t < c->num_tokens;) {
+        const int32_t s = c->slots[t];
+        if (s >= c->max_loras) goto reject;
         int64_t e = t + 1;
-        while (e < num_tokens && e - t < LP_LORA_TILE && slots[e] == s) e++;
+        while (e < c->num_tokens && e - t < LP_LORA_TILE && c->slots[e] == s) e++;
         if (s >= 0) {
             if (state[s] == 0) {
-                const int live = lp_lora_check_slot(s, max_rank, pages, p_slice_stride,
-                                                    p_slot_stride, ranks, r_slice_stride,
-                                                    num_slices, pool_rows);
+                const int live = lp_lora_check_slot(
+                    s, c->max_rank, c->pages, c->p_slice_stride, c->p_slot_stride, c->ranks,
+                    c->r_slice_stride, c->num_slices, c->pool_rows);
                 if (live < 0) goto reject;
                 state[s] = live ? 1 : 2;
             }
@@ -501,73 +494,71 @@ int lp_lora_add(float *y, int64_t y_stride, const float *x, int64_t x_stride, in
         t = e;
     }
     free(state);
-    /* Tiles dealt round robin (thread k takes k, k + nt, ...), so that each thread knows its
-     * next tile and fetches it while computing this one. */
-#pragma omp parallel num_threads(num_threads)
-    {
-    const int64_t nt = omp_get_num_threads();
-    for (int64_t q = omp_get_thread_num(); q < num_tiles; q += nt) {
-        const int64_t t0 = tiles[q];
-        const int32_t s = slots[t0];
-        if (q + nt < num_tiles) {
-            const int32_t s2 = slots[tiles[q + nt]];
-            if (s2 != s)
-                lp_lora_prefetch_slot(pool_dtype, s2, in_features, pages, p_slice_stride,
-                                      p_slot_stride, ranks, r_slice_stride, num_slices, a_pools,
-                                      b_pools, widths);
-        }
-        int64_t m = 1;
-        while (m < LP_LORA_TILE && t0 + m < num_tokens && slots[t0 + m] == s) m++;
-#define LP_TILE(dt)                                                                           \
-    lp_lora_tile(dt, y + t0 * y_stride, y_stride, x + t0 * x_stride, x_stride, m, in_features, \
-                 s, pages, p_slice_stride, p_slot_stride, ranks, r_slice_stride, num_slices,   \
-                 a_pools, b_pools, widths, offsets)
-        switch (pool_dtype) { /* one copy of the tile loop per element type */
-            case LP_F16: LP_TILE(LP_F16); break;
-            case LP_BF16: LP_TILE(LP_BF16); break;
-            default: LP_TILE(LP_F32); break;
-        }
-#undef LP_TILE
-    }
-    }
-    free(tiles);
-    return 0;
+    *tiles_out = tiles;
+    return num_tiles;
 reject:
     free(tiles);
     free(state);
     return -1;
 }
 
-/* lp_lora_add's arguments as one struct, so that a caller that keeps one per layer (the Python
- * side: the pools, page tables and shapes never change) sets only the per-call fields (y, x, their
- * strides, num_tokens, slots, num_threads) and passes one pointer: with ctypes that costs about
- * 1 us per call instead of the 5 us of converting 21 arguments. Field order is the ABI of
- * loraplex.kernels.lora_native.LoRACall; every integer is int64. */
-typedef struct {
-    float *y;
-    int64_t y_stride;
-    const float *x;
-    int64_t x_stride, num_tokens, in_features;
-    const int32_t *slots;
-    int64_t max_loras, max_rank;
-    const int32_t *pages;
-    int64_t p_slice_stride, p_slot_stride;
-    const int32_t *ranks;
-    int64_t r_slice_stride, num_slices;
-    const void *const *a_pools;
-    const void *const *b_pools;
-    int64_t pool_dtype;
-    const int64_t *pool_rows, *widths, *offsets;
-    int64_t num_threads;
-} lp_lora_call;
+void lp_lora_fetch_tile(const lp_lora_call *c, const int64_t *tiles, int64_t q) {
+    lp_lora_prefetch_slot((int)c->pool_dtype, c->slots[tiles[q]], c->in_features, c->pages,
+                          c->p_slice_stride, c->p_slot_stride, c->ranks, c->r_slice_stride,
+                          c->num_slices, c->a_pools, c->b_pools, c->widths);
+}
+
+void lp_lora_do_tile(const lp_lora_call *c, const int64_t *tiles, int64_t q) {
+    const int64_t t0 = tiles[q];
+    const int32_t s = c->slots[t0];
+    int64_t m = 1;
+    while (m < LP_LORA_TILE && t0 + m < c->num_tokens && c->slots[t0 + m] == s) m++;
+#define LP_TILE(dt)                                                                          \
+    lp_lora_tile(dt, c->y + t0 * c->y_stride, c->y_stride, c->x + t0 * c->x_stride,          \
+                 c->x_stride, m, c->in_features, s, c->pages, c->p_slice_stride,             \
+                 c->p_slot_stride, c->ranks, c->r_slice_stride, c->num_slices, c->a_pools,   \
+                 c->b_pools, c->widths, c->offsets)
+    switch (c->pool_dtype) { /* one copy of the tile loop per element type */
+        case LP_F16: LP_TILE(LP_F16); break;
+        case LP_BF16: LP_TILE(LP_BF16); break;
+        default: LP_TILE(LP_F32); break;
+    }
+#undef LP_TILE
+}
 
 int lp_lora_add_call(const lp_lora_call *c) {
     if (c == NULL) return -1;
-    return lp_lora_add(c->y, c->y_stride, c->x, c->x_stride, c->num_tokens, c->in_features,
-                       c->slots, c->max_loras, c->max_rank, c->pages, c->p_slice_stride,
-                       c->p_slot_stride, c->ranks, c->r_slice_stride, c->num_slices, c->a_pools,
-                       c->b_pools, (int)c->pool_dtype, c->pool_rows, c->widths, c->offsets,
-                       (int)c->num_threads);
+    int64_t *tiles = NULL;
+    const int64_t num_tiles = lp_lora_plan(c, &tiles);
+    if (num_tiles < 0) return -1;
+    /* Tiles dealt round robin (thread k takes k, k + nt, ...), so that each thread knows its
+     * next tile and fetches it while computing this one. */
+#pragma omp parallel num_threads((int)c->num_threads) if (num_tiles > 1)
+    {
+        const int64_t nt = omp_get_num_threads();
+        for (int64_t q = omp_get_thread_num(); q < num_tiles; q += nt) {
+            if (q + nt < num_tiles && c->slots[tiles[q + nt]] != c->slots[tiles[q]])
+                lp_lora_fetch_tile(c, tiles, q + nt);
+            lp_lora_do_tile(c, tiles, q);
+        }
+    }
+    free(tiles);
+    return 0;
+}
+
+int lp_lora_add(float *y, int64_t y_stride, const float *x, int64_t x_stride, int64_t num_tokens,
+                int64_t in_features, const int32_t *slots, int64_t max_loras, int64_t max_rank,
+                const int32_t *pages, int64_t p_slice_stride, int64_t p_slot_stride,
+                const int32_t *ranks, int64_t r_slice_stride, int64_t num_slices,
+                const void *const *a_pools, const void *const *b_pools, int pool_dtype,
+                const int64_t *pool_rows, const int64_t *widths, const int64_t *offsets,
+                int num_threads) {
+    const lp_lora_call c = {y,          y_stride,       x,           x_stride,      num_tokens,
+                            in_features, slots,         max_loras,   max_rank,      pages,
+                            p_slice_stride, p_slot_stride, ranks,    r_slice_stride, num_slices,
+                            a_pools,    b_pools,        pool_dtype,  pool_rows,     widths,
+                            offsets,    num_threads};
+    return lp_lora_add_call(&c);
 }
 
 /* ---- elementwise kernels of the decoder layer ---------------------------------------------- */

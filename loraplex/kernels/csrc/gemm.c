@@ -11,9 +11,12 @@
  * tile is LP_MR rows x LP_NR columns, summed over all of K (no K blocking: K * LP_NR floats of
  * a panel stay in L2), and the panel is prefetched LP_PREFETCH rows ahead.
  */
+#include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "lp_lora.h"
 #include "lp_simd.h"
 
 #if LP_VL == 16
@@ -99,28 +102,68 @@ static void lp_gemm_tile_rows(int mr, int64_t k_len, const float *x, int64_t ldx
  * panel). x rows ldx apart, y rows ldy apart, bias [n] or NULL. Panels are split between
  * threads; the rows are cut into near-equal tiles of at most LP_MR.
  * Returns 0, or -1 when an argument is out of range (nothing written). */
+/* Panel p of y = x @ W (+ bias): every row tile. */
+static inline void lp_gemm_panel(int64_t p, int64_t m, int64_t n, int64_t k, const float *x,
+                                 int64_t ldx, const float *packed, const float *bias, float *y,
+                                 int64_t ldy) {
+    const int64_t tiles = (m + LP_MR - 1) / LP_MR;
+    const int64_t col = p * LP_NR;
+    const int64_t ncols = n - col < LP_NR ? n - col : LP_NR;
+    const float *panel = packed + p * k * LP_NR;
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t r0 = t * m / tiles, r1 = (t + 1) * m / tiles;
+        /* the first tile streams the panel from memory, prefetching its rows ahead and on
+         * into the next panel; the later tiles find it in L2. (Prefetching the next panel
+         * from the second tile measured no faster.) */
+        const float *pf = t == 0 ? panel + LP_PREFETCH * LP_NR : NULL;
+        lp_gemm_tile_rows((int)(r1 - r0), k, x + r0 * ldx, ldx, panel, pf,
+                          bias != NULL ? bias + col : NULL, y + r0 * ldy + col, ldy, ncols);
+    }
+}
+
 int lp_gemm_packed(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
                    const float *packed, const float *bias, float *y, int64_t ldy,
                    int num_threads) {
     if (m < 0 || n < 0 || k < 0 || ldx < k || ldy < n) return -1;
     if (m == 0 || n == 0) return 0;
     const int64_t panels = (n + LP_NR - 1) / LP_NR;
-    const int64_t tiles = (m + LP_MR - 1) / LP_MR;
     const int threads = m * n * k < LP_GEMM_PAR_MIN ? 1 : num_threads;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        const int64_t col = p * LP_NR;
-        const int64_t ncols = n - col < LP_NR ? n - col : LP_NR;
-        const float *panel = packed + p * k * LP_NR;
-        for (int64_t t = 0; t < tiles; t++) {
-            const int64_t r0 = t * m / tiles, r1 = (t + 1) * m / tiles;
-            /* the first tile streams the panel from memory, prefetching its rows ahead and on
-             * into the next panel; the later tiles find it in L2. (Prefetching the next panel
-             * from the second tile measured no faster.) */
-            const float *pf = t == 0 ? panel + LP_PREFETCH * LP_NR : NULL;
-            lp_gemm_tile_rows((int)(r1 - r0), k, x + r0 * ldx, ldx, panel, pf,
-                              bias != NULL ? bias + col : NULL, y + r0 * ldy + col, ldy, ncols);
+    for (int64_t p = 0; p < panels; p++) lp_gemm_panel(p, m, n, k, x, ldx, packed, bias, y, ldy);
+    return 0;
+}
+
+/* lp_gemm_packed, then lora's delta added to the same y (lp_lora_add_call(lora); lora->y must be
+ * y), in one parallel region. At decode-sized batches the GEMM is compute-bound and leaves most
+ * of the memory bandwidth idle, while the LoRA tiles, rows at scattered pages, are bound by
+ * memory latency: so each thread fetches its share of the LoRA rows into L2 a few at a time
+ * between its GEMM panels, and computes those tiles from cache after the barrier. Every slot,
+ * rank and page is checked before anything is written: -1 leaves y untouched. */
+int lp_gemm_packed_lora(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
+                        const float *packed, const float *bias, float *y, int64_t ldy,
+                        int num_threads, const lp_lora_call *lora) {
+    if (lora == NULL) return lp_gemm_packed(m, n, k, x, ldx, packed, bias, y, ldy, num_threads);
+    if (m < 0 || n < 0 || k < 0 || ldx < k || ldy < n || lora->y != y) return -1;
+    if (lora->num_tokens != m) return -1;
+    if (m == 0 || n == 0) return 0;
+    int64_t *tiles = NULL;
+    const int64_t num_tiles = lp_lora_plan(lora, &tiles);
+    if (num_tiles < 0) return -1;
+    const int64_t panels = (n + LP_NR - 1) / LP_NR;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t p0 = id * panels / nt, p1 = (id + 1) * panels / nt, mine_p = p1 - p0;
+        const int64_t mine = num_tiles > id ? (num_tiles - id + nt - 1) / nt : 0;
+        int64_t fetched = 0; /* this thread's tiles id, id + nt, ... fetched so far */
+        for (int64_t p = p0; p < p1; p++) {
+            lp_gemm_panel(p, m, n, k, x, ldx, packed, bias, y, ldy);
+            const int64_t want = (mine * (p - p0 + 1) + mine_p - 1) / mine_p;
+            for (; fetched < want; fetched++) lp_lora_fetch_tile(lora, tiles, id + fetched * nt);
         }
+#pragma omp barrier
+        for (int64_t q = id; q < num_tiles; q += nt) lp_lora_do_tile(lora, tiles, q);
     }
+    free(tiles);
     return 0;
 }
