@@ -106,15 +106,19 @@ class DatabaseQuotaStore:
             session.execute(
                 select(Tenant.id).where(Tenant.id == tenant_id).with_for_update(key_share=True)
             )
-        now = self.clock()
         lease = QuotaLease(
             tenant_id=tenant_id,
             replica_id=self.replica_id,
-            admitted_at=now,
+            admitted_at=0.0,
             estimated_tokens=estimate,
-            expires_at=now + self.lease_ttl,
+            expires_at=0.0,
         )
         session.add(lease)
+        session.flush()
+        # The clock is read with the lock held (on SQLite the INSERT took it), so no admission
+        # another replica committed meanwhile is newer than this one's ``now``.
+        now = self.clock()
+        lease.admitted_at, lease.expires_at = now, now + self.lease_ttl
         session.flush()
         window = self._window(session, tenant_id, limits.requests_per_minute, now, lease.id)
         error = refusal(window, limits, now, self.window)

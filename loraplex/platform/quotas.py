@@ -135,7 +135,8 @@ def refusal(window: Window, limits: Limits, now: float, span: float) -> APIError
     if rpm is not None and window.requests >= rpm:
         edge = window.rpm_edge
         wait = edge + span - now if rpm > 0 and edge is not None else span
-        retry = _ceil_s(wait)
+        # never past the window: another replica's admission (or clock) can be a little ahead
+        retry = _ceil_s(min(wait, span))
         return _refuse(
             window, limits, now, span, retry, "requests",
             f"{who} reached its limit of {rpm} requests per minute; retry in {retry} s "
@@ -165,7 +166,7 @@ def _tokens_retry(window: Window, tpm: int, now: float, span: float) -> int:
     for at, n in window.finished():
         freed += n
         if freed > excess:
-            return _ceil_s(at + span - now)
+            return _ceil_s(min(at + span - now, span))
     return _ceil_s(span)  # unreachable: every finished entry expires in time
 
 

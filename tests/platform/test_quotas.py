@@ -14,7 +14,14 @@ import pytest
 
 from loraplex.platform.auth import Caller
 from loraplex.platform.errors import APIError
-from loraplex.platform.quotas import Limits, QuotaManager, estimate_tokens, format_duration
+from loraplex.platform.quotas import (
+    Limits,
+    QuotaManager,
+    Window,
+    estimate_tokens,
+    format_duration,
+    refusal,
+)
 from loraplex.platform.tenants import Quotas
 from tests.utils.request_hooks import wire
 from tests.utils.tenancy import bearer
@@ -339,3 +346,37 @@ def test_the_estimate_bounds_what_a_request_is_charged() -> None:
     prompts = [[1] * 10, [2] * 60]
     assert estimate_tokens(prompts, 2, 8, 64) == 10 + 2 * 8 + 60 + 2 * 4  # capped by the context
     assert estimate_tokens(prompts, 1, None, 64) == 10 + 54 + 60 + 4  # None: context full
+
+
+@pytest.mark.parametrize("ahead", [0.0, 0.4, 5.0])
+def test_retry_after_never_exceeds_the_window(ahead: float) -> None:
+    """An admission newer than ``now`` (another replica's, committed while this one waited for
+    the tenant's lock, or a replica whose clock is ahead) still gives a Retry-After within the
+    60 s window: one such race showed ``Retry-After: 61``."""
+    now = 1000.0
+    window = Window(
+        requests=30,
+        rpm_edge=now + ahead,
+        newest_request=now + ahead,
+        tokens_used=0,
+        newest_tokens=None,
+        reserved=0,
+        in_flight=0,
+        finished=lambda: [],
+    )
+    error = refusal(window, Limits(requests_per_minute=30), now, 60.0)
+    assert error is not None
+    assert 1 <= int(error.headers["Retry-After"]) <= 60
+    tokens = Window(
+        requests=0,
+        rpm_edge=None,
+        newest_request=None,
+        tokens_used=100,
+        newest_tokens=now + ahead,
+        reserved=0,
+        in_flight=0,
+        finished=lambda: [(now + ahead, 100)],
+    )
+    error = refusal(tokens, Limits(tokens_per_minute=100), now, 60.0)
+    assert error is not None
+    assert 1 <= int(error.headers["Retry-After"]) <= 60
