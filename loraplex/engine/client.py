@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Container, Mapping
 from dataclasses import dataclass, field
 
 from loraplex.engine.adapter_table import OPERATOR_OWNER, AdapterTable, Release
@@ -194,6 +194,36 @@ class EngineClient(ABC):
     def _check_lora(self, lora_key: str | None) -> None:
         if lora_key is not None and not self._loras.usable(lora_key):
             raise AdapterNotLoadedError(f"adapter {lora_key[:12]} is not loaded; add it first")
+
+    def _checked_requests(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        in_use: Container[str],
+        *,
+        lora_key: str | None,
+        cache_extra_keys: tuple[str, ...],
+        tenant: str | None,
+        priority: int,
+    ) -> list[Request]:
+        """What ``generate`` checks of its arguments before anything is queued (the caller has
+        checked that it serves): the prompt against the engine's limits, the adapter, the id
+        against ``in_use``; then the core requests (bad sampling parameters raise here)."""
+        validate_prompt(self.info, prompt_token_ids)
+        self._check_lora(lora_key)
+        if request_id in in_use:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        return build_core_requests(
+            request_id,
+            prompt_token_ids,
+            params,
+            frozenset(self.info.eos_token_ids),
+            lora_key=lora_key,
+            cache_extra_keys=cache_extra_keys,
+            tenant=tenant,
+            priority=priority,
+        )
 
     def _lora_request_started(self, lora_key: str | None) -> None:
         if lora_key is not None:
@@ -377,20 +407,10 @@ class StreamingClient(EngineClient):
         priority: int = 0,
     ) -> AsyncGenerator[RequestDelta, None]:
         self._check_serving()
-        validate_prompt(self.info, prompt_token_ids)
-        self._check_lora(lora_key)
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        requests = build_core_requests(
-            request_id,
-            prompt_token_ids,
-            params,
-            frozenset(self.info.eos_token_ids),
-            lora_key=lora_key,
-            cache_extra_keys=cache_extra_keys,
-            tenant=tenant,
-            priority=priority,
-        )
+        requests = self._checked_requests(
+            request_id, prompt_token_ids, params, self._streams, lora_key=lora_key,
+            cache_extra_keys=cache_extra_keys, tenant=tenant, priority=priority,
+        )  # fmt: skip
         return self._run(request_id, requests)
 
     async def _run(

@@ -46,9 +46,7 @@ from loraplex.engine.client import (
     EngineStats,
     RequestDelta,
     StreamingClient,
-    build_core_requests,
     check_tenant_weights,
-    validate_prompt,
 )
 from loraplex.engine.dp_router import (
     ROUTING_POLICIES,
@@ -295,21 +293,11 @@ class DataParallelClient(EngineClient):
         priority: int = 0,
     ) -> AsyncGenerator[RequestDelta, None]:
         self._check_serving()
-        validate_prompt(self.info, prompt_token_ids)
-        self._check_lora(lora_key)
-        if request_id in self._routes:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        # The replica checks these again; built here only so bad input fails at the call.
-        build_core_requests(
-            request_id,
-            prompt_token_ids,
-            params,
-            frozenset(self.info.eos_token_ids),
-            lora_key=lora_key,
-            cache_extra_keys=cache_extra_keys,
-            tenant=tenant,
-            priority=priority,
-        )
+        # The replica checks these again; done here so that bad input fails at the call.
+        self._checked_requests(
+            request_id, prompt_token_ids, params, self._routes, lora_key=lora_key,
+            cache_extra_keys=cache_extra_keys, tenant=tenant, priority=priority,
+        )  # fmt: skip
         request = _Routed(
             request_id, list(prompt_token_ids), params, lora_key, cache_extra_keys, tenant,
             priority,

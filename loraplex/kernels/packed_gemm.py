@@ -54,20 +54,8 @@ def linear(
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [T, in]``, ``weight [out, in]``; ``packed`` is
     ``pack(weight.t())`` or None. Uses the packed kernel when it applies."""
-    lib = native.library() if packed is not None and _applies(x, weight, bias) else None
-    if lib is None or packed is None:
-        return F.linear(x, weight, bias)
-    rows, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty(rows, n, dtype=x.dtype)  # [T, out]
-    rc = lib.lp_gemm_packed(
-        rows, n, k, native.ptr(x), x.stride(0),
-        native.ptr(packed), None if bias is None else native.ptr(bias),
-        native.ptr(y), n, native.num_threads(),
-    )  # fmt: skip
-    if rc != 0:
-        raise RuntimeError("native kernel lp_gemm_packed rejected its arguments")
-    return y
+    y = _packed_call(x, weight, packed, bias, None)
+    return F.linear(x, weight, bias) if y is None else y
 
 
 def linear_lora(
@@ -81,21 +69,37 @@ def linear_lora(
     the adapters' rows are fetched while the GEMM computes), or None where the packed kernel
     does not apply or ``lora_call(y)`` (the address of an ``lp_lora_call`` set up for this
     ``y`` and ``x``) gives None: then the caller runs the two steps itself."""
+    return _packed_call(x, weight, packed, bias, lora_call)
+
+
+def _packed_call(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    packed: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    lora_call: Callable[[torch.Tensor], int | None] | None,
+) -> torch.Tensor | None:
+    """The packed kernel's ``y`` (with the LoRA delta when ``lora_call`` is given), or None
+    where it does not apply."""
     lib = native.library() if packed is not None and _applies(x, weight, bias) else None
     if lib is None or packed is None:
         return None
     rows, k = x.shape
     n = weight.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype)  # [T, out]
+    args = (
+        rows, n, k, native.ptr(x), x.stride(0),
+        native.ptr(packed), None if bias is None else native.ptr(bias),
+        native.ptr(y), n, native.num_threads(),
+    )  # fmt: skip
+    if lora_call is None:
+        if lib.lp_gemm_packed(*args) != 0:
+            raise RuntimeError("native kernel lp_gemm_packed rejected its arguments")
+        return y
     call = lora_call(y)
     if call is None:
         return None
-    rc = lib.lp_gemm_packed_lora(
-        rows, n, k, native.ptr(x), x.stride(0),
-        native.ptr(packed), None if bias is None else native.ptr(bias),
-        native.ptr(y), n, native.num_threads(), call,
-    )  # fmt: skip
-    if rc != 0:
+    if lib.lp_gemm_packed_lora(*args, call) != 0:
         raise RuntimeError(
             "native kernel lp_gemm_packed_lora rejected its arguments: a LoRA slot, rank or page "
             "out of range (check_page_index says which), or shapes that do not match"
