@@ -197,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_throughput(p: argparse.ArgumentParser) -> None:
+    from loraplex.bench.common import add_workload_arguments
+
     p.add_argument(
         "model",
         nargs="?",
@@ -206,11 +208,7 @@ def _add_throughput(p: argparse.ArgumentParser) -> None:
         "(default: the embedded SmolLM2-135M-Instruct)",
     )
     w = p.add_argument_group("workload")
-    w.add_argument("--num-requests", type=positive_int, default=64)
-    w.add_argument("--min-output", type=positive_int, default=16, help="shortest output (tokens)")
-    w.add_argument("--max-output", type=positive_int, default=128, help="longest output (tokens)")
-    w.add_argument("--min-prompt-words", type=positive_int, default=20)
-    w.add_argument("--max-prompt-words", type=positive_int, default=60)
+    add_workload_arguments(w)
     w.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--repeats", type=positive_int, default=3, help="alternating runs per system")

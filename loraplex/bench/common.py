@@ -8,14 +8,56 @@ import shlex
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from loraplex.argtypes import positive_int
 from loraplex.bench.adapters import ADAPTER_DISTS, AdapterDist
 from loraplex.bench.systems import ADAPTER_SYSTEMS, PEFT_SYSTEMS, EngineArgs, System
 from loraplex.bench.workload import Workload
 from loraplex.config import MAX_LORAS, LoRAConfig
 
 Log = Callable[[str], None]
+
+
+class WorkloadShape(Protocol):
+    """The throughput workload's size, as every benchmark that runs it carries it."""
+
+    @property
+    def num_requests(self) -> int: ...
+    @property
+    def min_output(self) -> int: ...
+    @property
+    def max_output(self) -> int: ...
+    @property
+    def min_prompt_words(self) -> int: ...
+    @property
+    def max_prompt_words(self) -> int: ...
+
+
+def add_workload_arguments(group: Any) -> None:
+    """``--num-requests``, ``--min-output``, ``--max-output``, ``--min-prompt-words`` and
+    ``--max-prompt-words``, with the throughput workload's defaults (64 requests, outputs of
+    16-128 tokens, prompts of 20-60 words). ``group``: a parser or an argument group."""
+    group.add_argument("--num-requests", type=positive_int, default=64)
+    group.add_argument(
+        "--min-output", type=positive_int, default=16, help="shortest output (tokens)"
+    )
+    group.add_argument(
+        "--max-output", type=positive_int, default=128, help="longest output (tokens)"
+    )
+    group.add_argument("--min-prompt-words", type=positive_int, default=20)
+    group.add_argument("--max-prompt-words", type=positive_int, default=60)
+
+
+def workload_argv(opts: WorkloadShape) -> list[str]:
+    """The flags of ``add_workload_arguments`` that reproduce ``opts``'s workload."""
+    return [
+        f"--num-requests={opts.num_requests}",
+        f"--min-output={opts.min_output}",
+        f"--max-output={opts.max_output}",
+        f"--min-prompt-words={opts.min_prompt_words}",
+        f"--max-prompt-words={opts.max_prompt_words}",
+    ]
 
 
 @dataclass(frozen=True)
@@ -183,12 +225,8 @@ class ThroughputOptions:
         """The command that reproduces this run, every knob explicit."""
         knobs = self.engine.kwargs()
         argv = ["loraplex", "bench", "throughput"] + ([self.model] if self.model else [])
+        argv += workload_argv(self)
         argv += [
-            f"--num-requests={self.num_requests}",
-            f"--min-output={self.min_output}",
-            f"--max-output={self.max_output}",
-            f"--min-prompt-words={self.min_prompt_words}",
-            f"--max-prompt-words={self.max_prompt_words}",
             f"--seed={self.seed}",
             f"--repeats={self.repeats}",
             f"--hf-batch-size={self.hf_batch_size}",

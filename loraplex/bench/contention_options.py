@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from loraplex.argtypes import non_negative_int, positive_int
+from loraplex.bench.common import add_workload_arguments, workload_argv
 from loraplex.config import MAX_LORAS
 
 Scenario = Literal["workload", "batch1"]
@@ -100,11 +101,7 @@ class ContentionOptions:
             f"--busy={_csv(self.busy)}",
             f"--spincounts={','.join(self.spincounts)}",
             f"--repeats={self.repeats}",
-            f"--num-requests={self.num_requests}",
-            f"--min-output={self.min_output}",
-            f"--max-output={self.max_output}",
-            f"--min-prompt-words={self.min_prompt_words}",
-            f"--max-prompt-words={self.max_prompt_words}",
+            *workload_argv(self),
             f"--seed={self.seed}",
             f"--num-adapters={self.num_adapters}",
             f"--adapter-rank={self.adapter_rank}",
@@ -184,11 +181,7 @@ def add_contention_arguments(p: argparse.ArgumentParser) -> None:
     )
     r.add_argument("--timeout-s", type=float, default=d.timeout_s, help=argparse.SUPPRESS)
     w = p.add_argument_group("workload (as bench throughput) and the batch-1 request")
-    w.add_argument("--num-requests", type=positive_int, default=d.num_requests)
-    w.add_argument("--min-output", type=positive_int, default=d.min_output)
-    w.add_argument("--max-output", type=positive_int, default=d.max_output)
-    w.add_argument("--min-prompt-words", type=positive_int, default=d.min_prompt_words)
-    w.add_argument("--max-prompt-words", type=positive_int, default=d.max_prompt_words)
+    add_workload_arguments(w)
     w.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     w.add_argument("--seed", type=int, default=d.seed)
     w.add_argument(

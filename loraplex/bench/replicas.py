@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.argtypes import positive_int
+from loraplex.bench.common import add_workload_arguments, workload_argv
 from loraplex.config import MAX_LORAS
 
 Log = Callable[[str], None]
@@ -87,11 +88,7 @@ class ReplicasBenchOptions:
         argv = ["loraplex", "bench", "replicas"] + ([self.model] if self.model else [])
         argv += [
             f"--replicas={self.replicas}",
-            f"--num-requests={self.num_requests}",
-            f"--min-output={self.min_output}",
-            f"--max-output={self.max_output}",
-            f"--min-prompt-words={self.min_prompt_words}",
-            f"--max-prompt-words={self.max_prompt_words}",
+            *workload_argv(self),
             f"--num-adapters={self.num_adapters}",
             f"--adapter-rank={self.adapter_rank}",
             f"--repeats={self.repeats}",
@@ -112,11 +109,7 @@ def add_replicas_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--replicas", type=positive_int, default=2, help="replicas against one")
     w = p.add_argument_group("workload (loraplex bench throughput's)")
-    w.add_argument("--num-requests", type=positive_int, default=64)
-    w.add_argument("--min-output", type=positive_int, default=16)
-    w.add_argument("--max-output", type=positive_int, default=128)
-    w.add_argument("--min-prompt-words", type=positive_int, default=20)
-    w.add_argument("--max-prompt-words", type=positive_int, default=60)
+    add_workload_arguments(w)
     w.add_argument("--seed", type=int, default=0)
     a = p.add_argument_group("adapters: affinity vs round robin")
     a.add_argument("--num-adapters", type=positive_int, default=8)

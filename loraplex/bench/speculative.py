@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.argtypes import positive_int
+from loraplex.bench.common import add_workload_arguments
 from loraplex.bench.workload import encode, make_workload, random_text
 
 Log = Callable[[str], None]
@@ -118,11 +119,7 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--copy-tokens", type=positive_int, default=192, help="output tokens each")
     c.add_argument("--skip-copy", action="store_true")
     t = p.add_argument_group("throughput workload (loraplex bench throughput's)")
-    t.add_argument("--num-requests", type=positive_int, default=64)
-    t.add_argument("--min-output", type=positive_int, default=16)
-    t.add_argument("--max-output", type=positive_int, default=128)
-    t.add_argument("--min-prompt-words", type=positive_int, default=20)
-    t.add_argument("--max-prompt-words", type=positive_int, default=60)
+    add_workload_arguments(t)
     t.add_argument("--max-num-seqs", type=positive_int, default=64)
     t.add_argument("--skip-throughput", action="store_true")
     x = p.add_argument_group("runs and output")
