@@ -77,10 +77,11 @@ def test_matches_f_linear(
     torch.testing.assert_close(y, F.linear(x, weight, bias), **TOL)
 
 
-def test_strided_rows(spy: LibSpy, gen: torch.Generator) -> None:
+@pytest.mark.parametrize("rows", [9, 40])  # one row tile read in place; several, packed
+def test_strided_rows(spy: LibSpy, gen: torch.Generator, rows: int) -> None:
     k, n = 70, 45
-    wide = torch.randn(9, k + 11, generator=gen)
-    x = wide[:, 3 : 3 + k]  # [9, k], rows k + 11 apart, offset start
+    wide = torch.randn(rows, k + 11, generator=gen)
+    x = wide[:, 3 : 3 + k]  # [rows, k], rows k + 11 apart, offset start
     weight = torch.randn(n, k, generator=gen)
     y = packed_gemm.linear(x, weight, packed_gemm.pack(weight.t()))
     assert "lp_gemm_packed" in spy.calls

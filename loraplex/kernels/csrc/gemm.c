@@ -9,7 +9,11 @@
  * Packed layout: W [K, N] becomes [ceil(N / LP_NR)][K][LP_NR], column panels of LP_NR (two
  * vectors) with the rows of each panel contiguous; the last panel is zero-padded. One register
  * tile is LP_MR rows x LP_NR columns, summed over all of K (no K blocking: K * LP_NR floats of
- * a panel stay in L2), and the panel is prefetched LP_PREFETCH rows ahead.
+ * a panel stay in L2). One tile streams its panel, prefetching LP_PREFETCH rows ahead; several
+ * tiles compute from L2 while fetching the next panel (lp_gemm_panel), and read x packed into
+ * tile order (lp_gemm_pack_x). On the 2-core CI machine those two took SmolLM2's linears and
+ * tied head, weights cold, from 135/193/228/254 GFLOP/s at 16/32/64/128 rows to 147/230/273/279
+ * (of a 328 GFLOP/s sgemm peak; paired A/B of the two builds, medians of 7 alternating runs).
  */
 #include <omp.h>
 #include <stdint.h>
@@ -30,10 +34,14 @@
 
 int lp_gemm_panel_width(void) { return LP_NR; }
 
-/* rows [0, mr) of y[:, cols) = x[0:mr] @ panel (+ bias) with ncols <= LP_NR valid columns */
+/* rows [0, mr) of y[:, cols) = x[0:mr] @ panel (+ bias) with ncols <= LP_NR valid columns.
+ * x is row-major with rows ldx apart, or with xt a packed tile: element (i, k) at
+ * x[k * LP_MR + i], so that its broadcasts are one pointer and constant offsets (row pointers
+ * need more registers than the 27 the tile's vectors leave free: the compiler spilled them). */
 static inline __attribute__((always_inline)) void lp_gemm_tile(
-    const int mr, int64_t k_len, const float *restrict x, int64_t ldx, const float *restrict panel,
-    const float *pf, const float *restrict bias, float *restrict y, int64_t ldy, int64_t ncols) {
+    const int mr, const int xt, int64_t k_len, const float *restrict x, int64_t ldx, const float *restrict panel,
+    const float *pf, const float *spread, int64_t spread_rows, const float *restrict bias,
+    float *restrict y, int64_t ldy, int64_t ncols) {
     lp_vf c0[LP_MR], c1[LP_MR];
     lp_vf init0 = {0}, init1 = {0};
     if (bias != NULL) {
@@ -47,16 +55,24 @@ static inline __attribute__((always_inline)) void lp_gemm_tile(
         c0[i] = init0;
         c1[i] = init1;
     }
+    int64_t due = 0; /* spread: rows [0, spread_rows) fetched evenly over the k loop */
     for (int64_t k = 0; k < k_len; k++) {
         const float *row = panel + k * LP_NR;
         if (pf != NULL) {
             __builtin_prefetch(pf + k * LP_NR, 0, 3);
             __builtin_prefetch(pf + k * LP_NR + LP_VL, 0, 3);
         }
+        due += spread_rows;
+        if (spread != NULL && due >= k_len) {
+            due -= k_len;
+            __builtin_prefetch(spread, 0, 2);
+            __builtin_prefetch(spread + LP_VL, 0, 2);
+            spread += LP_NR;
+        }
         const lp_vf b0 = lp_ld(row), b1 = lp_ld(row + LP_VL);
 #pragma GCC unroll 16
         for (int i = 0; i < mr; i++) {
-            const float a = x[i * ldx + k];
+            const float a = xt ? x[k * LP_MR + i] : x[i * ldx + k];
             c0[i] += a * b0;
             c1[i] += a * b1;
         }
@@ -78,13 +94,19 @@ static inline __attribute__((always_inline)) void lp_gemm_tile(
 }
 
 /* one tile with mr a compile-time constant, so that the accumulators live in registers */
-static void lp_gemm_tile_rows(int mr, int64_t k_len, const float *x, int64_t ldx,
-                              const float *panel, const float *pf, const float *bias, float *y,
-                              int64_t ldy, int64_t ncols) {
+static void lp_gemm_tile_rows(int mr, int xt, int64_t k_len, const float *x, int64_t ldx,
+                              const float *panel, const float *pf, const float *spread,
+                              int64_t spread_rows, const float *bias, float *y, int64_t ldy,
+                              int64_t ncols) {
     switch (mr) {
-#define LP_TILE_CASE(m)                                                      \
-    case m:                                                                  \
-        lp_gemm_tile(m, k_len, x, ldx, panel, pf, bias, y, ldy, ncols); \
+#define LP_TILE_CASE(m)                                                                       \
+    case m:                                                                                   \
+        if (xt)                                                                               \
+            lp_gemm_tile(m, 1, k_len, x, ldx, panel, pf, spread, spread_rows, bias, y, ldy,   \
+                         ncols);                                                              \
+        else                                                                                  \
+            lp_gemm_tile(m, 0, k_len, x, ldx, panel, pf, spread, spread_rows, bias, y, ldy,   \
+                         ncols);                                                              \
         break;
         LP_TILE_CASE(1) LP_TILE_CASE(2) LP_TILE_CASE(3) LP_TILE_CASE(4) LP_TILE_CASE(5)
         LP_TILE_CASE(6)
@@ -98,29 +120,91 @@ static void lp_gemm_tile_rows(int mr, int64_t k_len, const float *x, int64_t ldx
     }
 }
 
-/* y[m, n] = x[m, k] @ W + bias, W packed as described above (lp_gemm_panel_width() columns per
- * panel). x rows ldx apart, y rows ldy apart, bias [n] or NULL. Panels are split between
- * threads; the rows are cut into near-equal tiles of at most LP_MR.
- * Returns 0, or -1 when an argument is out of range (nothing written). */
-/* Panel p of y = x @ W (+ bias): every row tile. */
+/* Panel p of y = x @ W (+ bias): every row tile. With one tile, the tile streams the panel from
+ * memory, prefetching LP_PREFETCH rows ahead (and on into the next panel). With several, the
+ * tiles find the panel in L2 and each fetches its share of the next panel's rows into L2 while
+ * it computes, so that reading the weights overlaps the arithmetic across the whole panel
+ * instead of stalling its first tile; only a thread's first panel (`first`) is streamed by its
+ * first tile. `next` is the panel to fetch, NULL for none. `xt`: x packed by lp_gemm_pack_x,
+ * or NULL to read x in place. */
 static inline void lp_gemm_panel(int64_t p, int64_t m, int64_t n, int64_t k, const float *x,
-                                 int64_t ldx, const float *packed, const float *bias, float *y,
-                                 int64_t ldy) {
+                                 int64_t ldx, const float *xt, const float *packed,
+                                 const float *bias, float *y, int64_t ldy, int first,
+                                 const float *next) {
     const int64_t tiles = (m + LP_MR - 1) / LP_MR;
     const int64_t col = p * LP_NR;
     const int64_t ncols = n - col < LP_NR ? n - col : LP_NR;
     const float *panel = packed + p * k * LP_NR;
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t r0 = t * m / tiles, r1 = (t + 1) * m / tiles;
-        /* the first tile streams the panel from memory, prefetching its rows ahead and on
-         * into the next panel; the later tiles find it in L2. (Prefetching the next panel
-         * from the second tile measured no faster.) */
-        const float *pf = t == 0 ? panel + LP_PREFETCH * LP_NR : NULL;
-        lp_gemm_tile_rows((int)(r1 - r0), k, x + r0 * ldx, ldx, panel, pf,
+        const int stream = tiles == 1 || (first && t == 0);
+        const float *pf = stream ? panel + LP_PREFETCH * LP_NR : NULL;
+        /* rows [s0, s1) of the next panel are this tile's share */
+        const int64_t s0 = t * k / tiles, s1 = (t + 1) * k / tiles;
+        const float *spread = stream || next == NULL ? NULL : next + s0 * LP_NR;
+        const float *xs = xt != NULL ? xt + t * k * LP_MR : x + r0 * ldx;
+        lp_gemm_tile_rows((int)(r1 - r0), xt != NULL, k, xs, ldx, panel, pf, spread, s1 - s0,
                           bias != NULL ? bias + col : NULL, y + r0 * ldy + col, ldy, ncols);
     }
 }
 
+/* Panels [p0, p1) of y, one thread's share. */
+static void lp_gemm_panels(int64_t p0, int64_t p1, int64_t m, int64_t n, int64_t k,
+                           const float *x, int64_t ldx, const float *xt, const float *packed,
+                           const float *bias, float *y, int64_t ldy) {
+    for (int64_t p = p0; p < p1; p++) {
+        const float *next = p + 1 < p1 ? packed + (p + 1) * k * LP_NR : NULL;
+        lp_gemm_panel(p, m, n, k, x, ldx, xt, packed, bias, y, ldy, p == p0, next);
+    }
+}
+
+/* Row tile t of x [m, k] (rows ldx apart) into xt + t * k * LP_MR, element (i, k) at
+ * [k * LP_MR + i]: the layout lp_gemm_tile reads with xt set. Every panel reuses it. */
+static void lp_gemm_pack_x(int64_t t, int64_t m, int64_t k, const float *x, int64_t ldx,
+                           float *xt) {
+    const int64_t tiles = (m + LP_MR - 1) / LP_MR;
+    const int64_t r0 = t * m / tiles, r1 = (t + 1) * m / tiles;
+    float *dst = xt + t * k * LP_MR;
+    for (int64_t i = r0; i < r1; i++) {
+        const float *src = x + i * ldx;
+        for (int64_t j = 0; j < k; j++) dst[j * LP_MR + (i - r0)] = src[j];
+    }
+}
+
+/* The calling thread's buffer of at least `floats` floats for packed x (grown, never shrunk;
+ * one per thread that calls in), or NULL when out of memory. */
+static float *lp_gemm_x_buffer(int64_t floats) {
+    static __thread float *buffer = NULL;
+    static __thread int64_t capacity = 0;
+    if (floats > capacity) {
+        free(buffer);
+        const size_t bytes = ((size_t)floats * sizeof(float) + 63) / 64 * 64;
+        buffer = aligned_alloc(64, bytes);
+        capacity = buffer != NULL ? floats : 0;
+    }
+    return buffer;
+}
+
+/* x packed (lp_gemm_pack_x) when it has more than one row tile, else NULL: one tile streams the
+ * weights from memory and is bound by that, not by its broadcasts. */
+static float *lp_gemm_x_packing(int64_t m, int64_t k) {
+    const int64_t tiles = (m + LP_MR - 1) / LP_MR;
+    return tiles > 1 ? lp_gemm_x_buffer(tiles * k * LP_MR) : NULL;
+}
+
+/* Inside a parallel region: this thread's share of packing x into xt (if xt), then a barrier. */
+static void lp_gemm_pack_x_shared(int64_t m, int64_t k, const float *x, int64_t ldx, float *xt) {
+    if (xt == NULL) return;
+    const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+    const int64_t tiles = (m + LP_MR - 1) / LP_MR;
+    for (int64_t t = id; t < tiles; t += nt) lp_gemm_pack_x(t, m, k, x, ldx, xt);
+#pragma omp barrier
+}
+
+/* y[m, n] = x[m, k] @ W + bias, W packed as described above (lp_gemm_panel_width() columns per
+ * panel). x rows ldx apart, y rows ldy apart, bias [n] or NULL. Each thread takes a contiguous
+ * range of panels; the rows are cut into near-equal tiles of at most LP_MR.
+ * Returns 0, or -1 when an argument is out of range (nothing written). */
 int lp_gemm_packed(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
                    const float *packed, const float *bias, float *y, int64_t ldy,
                    int num_threads) {
@@ -128,8 +212,14 @@ int lp_gemm_packed(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
     if (m == 0 || n == 0) return 0;
     const int64_t panels = (n + LP_NR - 1) / LP_NR;
     const int threads = m * n * k < LP_GEMM_PAR_MIN ? 1 : num_threads;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t p = 0; p < panels; p++) lp_gemm_panel(p, m, n, k, x, ldx, packed, bias, y, ldy);
+    float *xt = lp_gemm_x_packing(m, k);
+#pragma omp parallel num_threads(threads)
+    {
+        lp_gemm_pack_x_shared(m, k, x, ldx, xt);
+        const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+        lp_gemm_panels(id * panels / nt, (id + 1) * panels / nt, m, n, k, x, ldx, xt, packed,
+                       bias, y, ldy);
+    }
     return 0;
 }
 
@@ -150,14 +240,17 @@ int lp_gemm_packed_lora(int64_t m, int64_t n, int64_t k, const float *x, int64_t
     const int64_t num_tiles = lp_lora_plan(lora, &tiles);
     if (num_tiles < 0) return -1;
     const int64_t panels = (n + LP_NR - 1) / LP_NR;
+    float *xt = lp_gemm_x_packing(m, k);
 #pragma omp parallel num_threads(num_threads)
     {
+        lp_gemm_pack_x_shared(m, k, x, ldx, xt);
         const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t p0 = id * panels / nt, p1 = (id + 1) * panels / nt, mine_p = p1 - p0;
         const int64_t mine = num_tiles > id ? (num_tiles - id + nt - 1) / nt : 0;
         int64_t fetched = 0; /* this thread's tiles id, id + nt, ... fetched so far */
         for (int64_t p = p0; p < p1; p++) {
-            lp_gemm_panel(p, m, n, k, x, ldx, packed, bias, y, ldy);
+            const float *next = p + 1 < p1 ? packed + (p + 1) * k * LP_NR : NULL;
+            lp_gemm_panel(p, m, n, k, x, ldx, xt, packed, bias, y, ldy, p == p0, next);
             const int64_t want = (mine * (p - p0 + 1) + mine_p - 1) / mine_p;
             for (; fetched < want; fetched++) lp_lora_fetch_tile(lora, tiles, id + fetched * nt);
         }
