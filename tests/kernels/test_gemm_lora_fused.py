@@ -55,13 +55,15 @@ def _expected(case: Case, layer: Linear) -> torch.Tensor:
         ([5] * 12 + [0] * 3, [8, 0, 0, 0, 0, 12], [24, 24]),  # a slot with nothing to add
         ([-1, -1, -1], [8], [40]),  # no adapter token
         ([s % 7 for s in range(21)], [2, 4, 6, 8, 10, 12, 14], [33]),  # shuffled: 1-token tiles
+        ([i % 32 for i in range(64)], [8] * 32, [96, 32, 160]),  # slices on vector blocks
     ],
 )
 @pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])  # the pool's
 def test_fused_call_matches_gemm_then_reference(
-    slots: list[int], ranks: list[int], widths: list[int], bias: bool
+    slots: list[int], ranks: list[int], widths: list[int], bias: bool, dtype: torch.dtype
 ) -> None:
-    case = make_case(slots, ranks, 32, widths, seed=len(slots))
+    case = make_case(slots, ranks, 32, widths, dtype, seed=len(slots), activations=torch.float32)
     layer = _layer(case, widths, bias, seed=3)
     y = packed_gemm.linear_lora(
         case.x,

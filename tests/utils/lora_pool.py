@@ -109,14 +109,17 @@ def make_case(
     offsets: Sequence[int] | None = None,
     out_features: int | None = None,
     seed: int = 0,
+    activations: torch.dtype | None = None,
 ) -> Case:
+    """``dtype``: the pools' (and, unless ``activations`` says otherwise, x's and y0's)."""
     gen = torch.Generator().manual_seed(seed)
+    act = activations or dtype
     pool = make_pooled_weights(
         ranks, in_features, widths, dtype, gen=gen, max_rank=max_rank, offsets=offsets
     )
     T = len(slots)
-    x = torch.randn(T, in_features, generator=gen).to(dtype)  # [T, in]
-    y0 = torch.randn(T, out_features or sum(widths), generator=gen).to(dtype)  # [T, out]
+    x = torch.randn(T, in_features, generator=gen).to(act)  # [T, in]
+    y0 = torch.randn(T, out_features or sum(widths), generator=gen).to(act)  # [T, out]
     meta = LoRAKernelMeta(max_num_tokens or max(T, 1), pool.weights.max_loras)
     meta.prepare(torch.tensor(list(slots), dtype=torch.int64))
     return Case(x, y0, list(slots), pool, meta)
