@@ -1,8 +1,9 @@
 """Linear layers on the CPU with the weight packed once into column panels (``csrc/gemm.c``).
 
-At decode-sized batches (up to ``PACKED_MAX_ROWS`` rows) a projection is bound by reading its
-weight from memory; the packed kernel streams each weight exactly once per call with prefetching,
-where a BLAS sgemm repacks it on every call. Larger batches (prefill chunks), other dtypes and
+At decode-sized batches (up to ``PACKED_MAX_ROWS`` rows) the packed kernel streams each weight
+exactly once per call with prefetching, where a BLAS sgemm repacks it on every call: a few rows
+are bound by reading the weight, a few dozen by the arithmetic, with the next panel's fetch
+overlapping it. Larger batches (prefill chunks), other dtypes and
 devices, and layouts the kernel cannot read go to ``F.linear``, the reference the tests compare
 against. The packed copy is extra memory: one more copy of every packed weight, fp32.
 

@@ -39,9 +39,9 @@ int lp_gemm_panel_width(void) { return LP_NR; }
  * x[k * LP_MR + i], so that its broadcasts are one pointer and constant offsets (row pointers
  * need more registers than the 27 the tile's vectors leave free: the compiler spilled them). */
 static inline __attribute__((always_inline)) void lp_gemm_tile(
-    const int mr, const int xt, int64_t k_len, const float *restrict x, int64_t ldx, const float *restrict panel,
-    const float *pf, const float *spread, int64_t spread_rows, const float *restrict bias,
-    float *restrict y, int64_t ldy, int64_t ncols) {
+    const int mr, const int xt, int64_t k_len, const float *restrict x, int64_t ldx,
+    const float *restrict panel, const float *pf, const float *spread, int64_t spread_rows,
+    const float *restrict bias, float *restrict y, int64_t ldy, int64_t ncols) {
     lp_vf c0[LP_MR], c1[LP_MR];
     lp_vf init0 = {0}, init1 = {0};
     if (bias != NULL) {
