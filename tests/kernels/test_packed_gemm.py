@@ -55,7 +55,7 @@ def test_pack_is_none_with_native_off(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # rows: 1 tile, exact and uneven tile splits, one over a tile, the routing limit
-ROWS = [1, 3, 12, 13, 37, 64, 128]
+ROWS = [1, 3, 12, 13, 14, 15, 37, 64, 128]  # around the 12- and 14-row tiles (AVX-512: 14)
 # (in, out): tiny (one thread), off-panel widths, the SmolLM2 shapes (two threads)
 SHAPES = [(1, 1), (7, 33), (64, 64), (130, 257), (576, 960), (1536, 576)]
 
