@@ -100,8 +100,8 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # requests in one step
     # tokens in one step (prefill chunks + decodes). 1024: on 2 CPU cores the 64-request workload
     # ran 5% faster than with 512 (prefill GEMMs of 1024 rows reach more of the sgemm peak, and
-    # fewer steps) and 2048 only 1.3% more, at twice the latency a prefill step adds to the
-    # decodes running beside it. vLLM's own CPU defaults are 4096 (LLM) and 2048 (server).
+    # fewer steps); 2048 gave only 1.3% more, with prefill steps (which the decodes beside them
+    # wait for) twice as long again. vLLM's own CPU defaults are 4096 (LLM) and 2048 (server).
     max_num_batched_tokens: int = 1024
     scheduling_policy: SchedulingPolicy = "fcfs"  # engine/waiting_queue.py
     # "fair": the service a tenant is charged per prompt token computed and per token generated

@@ -18,7 +18,8 @@
  * Xeon (2 MB of L2 per core) the base workload ran 2.9% faster than with 12 (median of 8
  * alternating pairs in one engine), from fewer tiles, each re-reading its panel from L2, at
  * 13-64 rows. There, reading the weights barely overlaps the arithmetic: a call takes about the
- * sum of the two, so fewer instructions per panel show up directly.
+ * sum of the two, so fewer instructions per panel show up directly. 14 rows are not measured
+ * on the AMD EPYC the figures above come from.
  */
 #include <omp.h>
 #include <stdint.h>
