@@ -44,6 +44,7 @@ from loraplex.engine.records import (
 from loraplex.engine.rejection_sampler import accept_drafts, verification_rows
 from loraplex.engine.sampler import Sampler, SampleRow
 from loraplex.engine.step_inputs import StepInputs, StepRequest
+from loraplex.kernels import host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +176,10 @@ class ModelRunner:
         num_blocks = self.tp.min_int(self._num_blocks())
         s = self._kv_spec
         shape = self.attn.kv_cache_shape(num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
-        self.kv_cache = torch.zeros((s.num_layers, *shape), dtype=s.dtype, device=self.device)
+        if self.device.type == "cpu":  # huge pages where the OS gives them
+            self.kv_cache = host_memory.zeros((s.num_layers, *shape), s.dtype)
+        else:
+            self.kv_cache = torch.zeros((s.num_layers, *shape), dtype=s.dtype, device=self.device)
         self.model.bind_attention(self.attn, list(self.kv_cache.unbind(0)))
         self.num_blocks = num_blocks
         if self.lora is not None and self.lora.pool is None:

@@ -5,7 +5,8 @@ exactly once per call with prefetching, where a BLAS sgemm repacks it on every c
 are bound by reading the weight, a few dozen by the arithmetic, with the next panel's fetch
 overlapping it. Larger batches (prefill chunks), other dtypes and
 devices, and layouts the kernel cannot read go to ``F.linear``, the reference the tests compare
-against. The packed copy is extra memory: one more copy of every packed weight, fp32.
+against. The packed copy is extra memory: one more copy of every packed weight, fp32, in huge
+pages where the OS gives them (``host_memory``).
 
 ``bench``: ``python -m loraplex.cli bench throughput`` compares the whole engine with Hugging
 Face; ``tests/kernels/test_packed_gemm.py`` compares this kernel with torch.
@@ -18,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from loraplex.kernels import native
+from loraplex.kernels import host_memory, native
 
 # Up to here the packed kernel beats MKL on the 2-core CI machine (1.2-2x at 8-64 rows, about
 # even at 128); beyond it the BLAS is as fast or faster and the unpacked weight is used.
@@ -44,7 +45,9 @@ def pack(weight_t: torch.Tensor) -> torch.Tensor | None:
     panels = -(-n // width)
     padded = torch.zeros(k, panels * width, dtype=weight_t.dtype)  # [in, panels * w]
     padded[:, :n] = weight_t
-    return padded.view(k, panels, width).permute(1, 0, 2).contiguous()  # [panels, in, w]
+    out = host_memory.empty((panels, k, width), weight_t.dtype)  # huge pages where it can
+    out.copy_(padded.view(k, panels, width).permute(1, 0, 2))  # [panels, in, w]
+    return out
 
 
 def linear(

@@ -191,3 +191,19 @@ def test_seq_len_beyond_the_block_table_raises() -> None:
     assert isinstance(md, NativeAttentionMetadata) and md.decode_tables_host.shape == (2, 3)
     with pytest.raises(RuntimeError, match="lp_paged_decode_attention rejected"):
         backend.forward(0, step.q, step.k, step.v, step.cache.clone(), md)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 8])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(12, 6), (8, 4), (9, 3)])
+@pytest.mark.parametrize("num_decodes", [1, 2, 3, 40])
+def test_tasks_split_by_kv_heads_match_torch(
+    monkeypatch: pytest.MonkeyPatch, threads: int, heads: int, kv_heads: int, num_decodes: int
+) -> None:
+    # Few sequences a thread: each task takes a divisor of the KV heads (6 -> 3, 2 or 1), many:
+    # every KV head of a sequence; every split must give the same attention.
+    monkeypatch.setattr(native, "num_threads", lambda: threads)
+    rng = np.random.default_rng(num_decodes)
+    starts = rng.integers(1, 70, num_decodes).tolist()
+    step = make_step([(s, 1) for s in starts], heads, kv_heads, 16, 16, seed=threads + heads)
+    ref_out, nat_out, _, _ = run_both(step)
+    torch.testing.assert_close(nat_out, ref_out, **TOL)
