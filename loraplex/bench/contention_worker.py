@@ -164,16 +164,12 @@ def timed_run(backend: Backend, timer: StepTimer, job: dict[str, Any]) -> dict[s
 
 
 def copy_bandwidth(mb: int, tries: int = 5) -> dict[str, Any]:
-    """Best of ``tries`` ``dst.copy_(src)`` of ``mb`` MB (float32) with torch's threads, both
-    buffers in the memory the packed weights live in (huge pages where the OS gives them:
-    ``host_memory``), so that the bound reads the memory the way the model does."""
+    """Best of ``tries`` ``dst.copy_(src)`` of ``mb`` MB (float32) with torch's threads."""
     import torch
 
-    from loraplex.kernels import host_memory
-
     n = mb * 1_000_000 // 4
-    src = host_memory.empty((n,), torch.float32).fill_(1.0)
-    dst = host_memory.empty((n,), torch.float32)
+    src = torch.ones(n, dtype=torch.float32)
+    dst = torch.empty_like(src)
     dst.copy_(src)  # first touch: page faults stay out of the timing
     best = float("inf")
     for _ in range(tries):
@@ -186,8 +182,7 @@ def copy_bandwidth(mb: int, tries: int = 5) -> dict[str, Any]:
         "best_s": round(best, 6),
         "bytes_per_s": round(moved / best),
         "convention": f"bytes read + bytes written by one torch copy_ of {mb} MB float32 "
-        f"(2 x {n * 4} bytes), best of {tries}; {torch.get_num_threads()} torch threads; "
-        f"huge pages {'on' if host_memory.is_huge_backed(src) else 'off'}",
+        f"(2 x {n * 4} bytes), best of {tries}; {torch.get_num_threads()} torch threads",
     }
 
 
