@@ -77,22 +77,14 @@ def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 def is_huge_backed(t: torch.Tensor) -> bool:
     """Whether ``t``'s memory is one of this module's mappings (its storage is 2 MiB aligned
     and owned by an mmap)."""
-    return (
-        t.device.type == "cpu"
-        and t.untyped_storage().data_ptr() % HUGE_PAGE == 0
-        and (_owner(t) is not None)
-    )
-
-
-def _owner(t: torch.Tensor) -> mmap.mmap | None:
-    owner = getattr(t, "_loraplex_mapping", None)
-    return owner if isinstance(owner, mmap.mmap) else None
+    mapping = getattr(t, "_loraplex_mapping", None)
+    return isinstance(mapping, mmap.mmap) and t.untyped_storage().data_ptr() % HUGE_PAGE == 0
 
 
 def _mapped(shape: Sequence[int], dtype: torch.dtype, *, zero: bool) -> torch.Tensor:
     dims = tuple(int(d) for d in shape)
     numel = math.prod(dims)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if nbytes < HUGE_PAGE or not available():
         return (torch.zeros if zero else torch.empty)(dims, dtype=dtype)
     try:

@@ -32,14 +32,20 @@ def panel_width() -> int | None:
     return None if lib is None else int(lib.lp_gemm_panel_width())
 
 
+def packs(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether :func:`pack` packs a 2-D weight of this dtype on this device (fp32 on the CPU,
+    with the native kernels built)."""
+    return dtype == torch.float32 and device.type == "cpu" and panel_width() is not None
+
+
 def pack(weight_t: torch.Tensor) -> torch.Tensor | None:
     """``weight_t [in, out]`` (``W.T``, any strides) -> panels ``[ceil(out / w), in, w]``.
 
-    None when the packed kernel does not apply (not fp32 on the CPU, or no native kernels).
-    The last panel is zero-padded; the result shares no memory with ``weight_t``.
+    None when the packed kernel does not apply (:func:`packs`). The last panel is zero-padded;
+    the result shares no memory with ``weight_t``.
     """
-    width = panel_width() if native.usable(weight_t) and weight_t.dim() == 2 else None
-    if width is None:
+    width = panel_width()
+    if width is None or weight_t.dim() != 2 or not packs(weight_t.dtype, weight_t.device):
         return None
     k, n = weight_t.shape
     panels = -(-n // width)

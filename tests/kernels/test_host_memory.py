@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import re
 import weakref
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,9 @@ def _vma_of(address: int) -> dict[str, str]:
 
 @pytest.mark.parametrize("make", [host_memory.zeros, host_memory.empty])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int32])
-def test_shape_dtype_and_writable(make, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+def test_shape_dtype_and_writable(
+    make: Callable[[Sequence[int], torch.dtype], torch.Tensor], dtype: torch.dtype
+) -> None:
     t = make(BIG, dtype)
     assert t.shape == BIG and t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
     t[7, 9] = 3

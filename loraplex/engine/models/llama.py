@@ -316,7 +316,7 @@ class LlamaForCausalLM(nn.Module):
             # workload's wall time; the workload 1.007x, median of 6 pairs, same tokens)
             embed_transposed=self.tie_word_embeddings
             and device.type == "cpu"
-            and not (dtype == torch.float32 and packed_gemm.panel_width() is not None),
+            and not packed_gemm.packs(dtype, device),
             tp=tp,
         )
         self.lm_head: Linear | None = None

@@ -17,7 +17,6 @@
 #include "lp_simd.h"
 
 #define LP_MAX_GROUP 64   /* query heads per KV head */
-#define LP_MAX_HEADS 256  /* query heads (decode attention) */
 #define LP_TASKS_PER_THREAD 4 /* decode attention: fewer, and a task is split by KV heads */
 #define LP_MAX_RANK 1024  /* LoRA rank */
 
@@ -69,9 +68,9 @@ static inline void lp_axpy(float *restrict y, float alpha, const float *restrict
  * heads (lp_fetch_share). With fewer than LP_TASKS_PER_THREAD sequences a thread, a task takes
  * fewer KV heads. On a 2-core Intel Xeon, 64 sequences of 120 keys over 30 layers went from
  * 21.9 to 19.5 ms, and 1 to 32 sequences 1.09-1.18x faster (medians of 5 alternating runs of
- * the two builds, the same results to the bit). When head_dim is 1 to 8
- * vectors (up to 128 with AVX-512), the scores of LP_VL keys come out of one transpose tree
- * and the weighted values are summed in registers.
+ * the two builds, the same results to the bit). When head_dim is 1 to 8 vectors (up to 128
+ * with AVX-512), the scores of LP_VL keys come out of one transpose tree and the weighted
+ * values are summed in registers.
  * Returns 0, or -1 when an argument is out of range (nothing written).
  */
 #define LP_MAX_ND 8 /* head_dim / LP_VL held in registers: up to 128 with AVX-512 */
@@ -152,18 +151,20 @@ static inline void lp_fetch_share(const float *base, int64_t lines, int64_t lps,
 /* One task: KV heads [g0, g1) of one sequence, each with its group of query heads, over the
  * sequence's blocks in one pass with an online softmax per query head. q and out at the
  * sequence's row (head 0); table, len: its blocks and keys. With every KV head, a block's keys
- * are one contiguous run. scores [num_heads * block_size] and acc [num_heads * head_dim] are
- * the thread's scratch. */
+ * are one contiguous run. scores [num_heads * block_size], acc [num_heads * head_dim] and
+ * stats [3 * num_heads] (running max, sum and correction per query head) are the thread's
+ * scratch. */
 static inline __attribute__((always_inline)) void lp_decode_task(
     const int nd, const float *q, float *out, const int64_t *table, int64_t len,
     const float *k_cache, const float *v_cache, int64_t g0, int64_t g1, int64_t block_size,
-    int64_t tok_stride, int64_t group, int64_t head_dim, float scale, float *scores,
-    float *acc) {
+    int64_t tok_stride, int64_t group, int64_t head_dim, float scale, float *scores, float *acc,
+    float *stats) {
     const int64_t blk_stride = block_size * tok_stride;
     const int64_t h0 = g0 * group, h1 = g1 * group, heads = h1 - h0; /* query heads */
+    const int64_t num_heads = tok_stride / head_dim * group;
+    float *mx = stats, *sum = stats + num_heads, *corr = stats + 2 * num_heads;
     const int64_t kv_off = g0 * head_dim;
     const int64_t lps = ((g1 - g0) * head_dim + 15) / 16; /* cache lines per slot read */
-    float mx[LP_MAX_HEADS], sum[LP_MAX_HEADS], corr[LP_MAX_HEADS];
     for (int64_t h = h0; h < h1; h++) {
         mx[h] = -INFINITY;
         sum[h] = 0.0f;
@@ -223,8 +224,7 @@ int lp_paged_decode_attention(const float *q, int64_t q_row_stride, const int64_
                               int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return -1;
     const int64_t group = num_heads / num_kv_heads;
-    if (group > LP_MAX_GROUP || num_heads > LP_MAX_HEADS || block_size <= 0 || head_dim <= 0)
-        return -1;
+    if (group > LP_MAX_GROUP || block_size <= 0 || head_dim <= 0) return -1;
     for (int64_t i = 0; i < n; i++)
         if (seq_lens[i] < 1 || seq_lens[i] > width * block_size) return -1;
     const int64_t tok_stride = num_kv_heads * head_dim; /* one slot of one block */
@@ -242,21 +242,22 @@ int lp_paged_decode_attention(const float *q, int64_t q_row_stride, const int64_
     {
         float *scores = (float *)malloc(sizeof(float) * (size_t)(num_heads * block_size));
         float *acc = (float *)malloc(sizeof(float) * (size_t)(num_heads * head_dim));
-        if (scores == NULL || acc == NULL) {
+        float *stats = (float *)malloc(sizeof(float) * (size_t)(3 * num_heads));
+        if (scores == NULL || acc == NULL || stats == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t i = 0; i < n; i++) {
             for (int64_t part = 0; part < parts; part++) {
-                if (scores == NULL || acc == NULL) continue;
+                if (scores == NULL || acc == NULL || stats == NULL) continue;
                 const float *qi = q + rows[i] * q_row_stride;
                 float *oi = out + rows[i] * out_row_stride;
                 const int64_t *table = block_tables + i * width;
                 const int64_t g0 = part * per, g1 = g0 + per;
 #define LP_TASK(c)                                                                          \
     lp_decode_task(c, qi, oi, table, seq_lens[i], k_cache, v_cache, g0, g1, block_size,     \
-                   tok_stride, group, head_dim, scale, scores, acc)
+                   tok_stride, group, head_dim, scale, scores, acc, stats)
                 switch (nd) {
                     case 1: LP_TASK(1); break;
                     case 2: LP_TASK(2); break;
@@ -273,6 +274,7 @@ int lp_paged_decode_attention(const float *q, int64_t q_row_stride, const int64_
         }
         free(scores);
         free(acc);
+        free(stats);
     }
     return failed ? -1 : 0;
 }
