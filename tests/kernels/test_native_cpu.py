@@ -185,7 +185,8 @@ def test_silu_mul_matches_torch(spy: LibSpy, gen: torch.Generator, rows: int, in
 
 
 def test_silu_mul_extreme_inputs(spy: LibSpy, gen: torch.Generator) -> None:
-    gate = torch.tensor([100.0, -100.0, 1e4, -1e4, 88.5, -87.5, 0.0, -0.0, 20.0, -20.0, 1e-30])
+    values = torch.tensor([100.0, -100.0, 1e4, -1e4, 88.5, -87.5, 0.0, -0.0, 20.0, -20.0, 1e-30])
+    gate = values.repeat(3)  # 33: every value in the vector lanes (8 or 16) and in the tail
     inter = gate.numel()
     up = torch.randn(3, inter, generator=gen) * 100.0
     up[1] = 1.0
@@ -200,11 +201,11 @@ def test_silu_mul_extreme_inputs(spy: LibSpy, gen: torch.Generator) -> None:
 
 def test_silu_mul_propagates_nan(spy: LibSpy) -> None:
     nan = float("nan")
-    gate = torch.tensor([[nan, 1.0, -3.0, nan]])
-    up = torch.tensor([[2.0, nan, 5.0, 0.0]])
-    out = cpu_ops.silu_mul(torch.cat([gate, up], dim=1), 4)
+    gate = torch.tensor([[nan, 1.0, -3.0, nan]]).repeat(1, 9)  # 36: vector lanes and the tail
+    up = torch.tensor([[2.0, nan, 5.0, 0.0]]).repeat(1, 9)
+    out = cpu_ops.silu_mul(torch.cat([gate, up], dim=1), 36)
     assert spy.calls == ["lp_silu_mul"]
-    assert torch.isnan(out).tolist() == [[True, True, False, True]]
+    assert torch.isnan(out).tolist() == [[True, True, False, True] * 9]
     torch.testing.assert_close(out, F.silu(gate) * up, equal_nan=True, **TOL)
 
 

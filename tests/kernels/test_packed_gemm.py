@@ -54,8 +54,9 @@ def test_pack_is_none_with_native_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert packed_gemm.panel_width() is None
 
 
-# rows: 1 tile, exact and uneven tile splits, one over a tile, the routing limit
-ROWS = [1, 3, 12, 13, 14, 15, 37, 64, 128]  # around the 12- and 14-row tiles (AVX-512: 14)
+# rows: the few-row tiles (1-3 rows, several panels at once), 1 tile, exact and uneven tile
+# splits, one over a tile, the routing limit
+ROWS = [1, 2, 3, 4, 12, 13, 14, 15, 37, 64, 128]  # around the 12- and 14-row tiles (AVX-512: 14)
 # (in, out): tiny (one thread), off-panel widths, the SmolLM2 shapes (two threads)
 SHAPES = [(1, 1), (7, 33), (64, 64), (130, 257), (576, 960), (1536, 576)]
 
@@ -77,7 +78,7 @@ def test_matches_f_linear(
     torch.testing.assert_close(y, F.linear(x, weight, bias), **TOL)
 
 
-@pytest.mark.parametrize("rows", [9, 40])  # one row tile read in place; several, packed
+@pytest.mark.parametrize("rows", [2, 9, 40])  # a few-row tile; one row tile in place; packed
 def test_strided_rows(spy: LibSpy, gen: torch.Generator, rows: int) -> None:
     k, n = 70, 45
     wide = torch.randn(rows, k + 11, generator=gen)

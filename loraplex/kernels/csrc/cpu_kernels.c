@@ -44,6 +44,27 @@ static inline float lp_exp(float x) {
     return p * scale.f;
 }
 
+/* lp_exp on LP_VL lanes, the same operations lane by lane (GCC does not vectorize the scalar
+ * form's clamps without AVX-512's masks: on an AVX2 machine the softmax and SiLU loops that
+ * called it ran one element at a time) */
+static inline lp_vf lp_exp_v(lp_vf x) {
+    const lp_vf hi = lp_splat(88.0f), lo = lp_splat(-87.0f);
+    x = lp_sel(x > hi, hi, x);
+    x = lp_sel(x < lo, lo, x);
+    const lp_vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    lp_vf r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    lp_vf p = lp_splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const lp_vi e = (__builtin_convertvector(n, lp_vi) + 127) << 23;
+    return p * (lp_vf)e;
+}
+
 static inline float lp_dot(const float *restrict a, const float *restrict b, int64_t n) {
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
@@ -70,7 +91,10 @@ static inline void lp_axpy(float *restrict y, float alpha, const float *restrict
  * 21.9 to 19.5 ms, and 1 to 32 sequences 1.09-1.18x faster (medians of 5 alternating runs of
  * the two builds, the same results to the bit). When head_dim is 1 to 8 vectors (up to 128
  * with AVX-512), the scores of LP_VL keys come out of one transpose tree and the weighted
- * values are summed in registers.
+ * values are summed in registers. The online softmax's max and exp run on vectors
+ * (lp_max, lp_exp_v): on a 2-core AMD EPYC (Zen 2, AVX2), where GCC left them scalar, that
+ * took 64 sequences of 120 keys over 30 layers from 26.1 to 22.3 ms with the caches cold
+ * and from 16.8 to 13.3 ms warm (medians of 9 alternating runs of the two builds).
  * Returns 0, or -1 when an argument is out of range (nothing written).
  */
 #define LP_MAX_ND 8 /* head_dim / LP_VL held in registers: up to 128 with AVX-512 */
@@ -190,14 +214,22 @@ static inline __attribute__((always_inline)) void lp_decode_task(
         }
         for (int64_t h = h0; h < h1; h++) { /* online softmax: exp against the running max */
             float *sh = scores + h * block_size;
-            float bm = mx[h];
-            for (int64_t o = 0; o < m; o++) bm = sh[o] > bm ? sh[o] : bm;
+            int64_t o = 0;
+            lp_vf vm = lp_splat(mx[h]); /* a NaN score never becomes the max */
+            for (; o + LP_VL <= m; o += LP_VL) vm = lp_max(lp_ld(sh + o), vm);
+            float bm = lp_hmax(vm);
+            for (; o < m; o++) bm = sh[o] > bm ? sh[o] : bm;
             /* rescales the earlier blocks (on the first block, everything is still zero) */
             corr[h] = bm > mx[h] ? lp_exp(mx[h] - bm) : 1.0f;
             mx[h] = bm;
-            float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t o = 0; o < m; o++) {
+            lp_vf vs = {0};
+            for (o = 0; o + LP_VL <= m; o += LP_VL) {
+                const lp_vf e = lp_exp_v(lp_ld(sh + o) - bm);
+                lp_st(sh + o, e);
+                vs += e;
+            }
+            float s = lp_hsum(vs);
+            for (; o < m; o++) {
                 sh[o] = lp_exp(sh[o] - bm);
                 s += sh[o];
             }
@@ -671,8 +703,12 @@ int lp_silu_mul(const float *gate_up, int64_t gu_stride, int64_t rows, int64_t i
         const float *g = gate_up + t * gu_stride;
         const float *u = g + inter;
         float *o = out + t * o_stride;
-#pragma omp simd
-        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + lp_exp(-g[i])) * u[i];
+        int64_t i = 0;
+        for (; i + LP_VL <= inter; i += LP_VL) {
+            const lp_vf gv = lp_ld(g + i);
+            lp_st(o + i, gv / (1.0f + lp_exp_v(-gv)) * lp_ld(u + i));
+        }
+        for (; i < inter; i++) o[i] = g[i] / (1.0f + lp_exp(-g[i])) * u[i];
     }
     return 0;
 }

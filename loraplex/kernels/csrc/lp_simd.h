@@ -123,6 +123,29 @@ static inline __attribute__((always_inline)) const void *lp_row(const int dt, co
     return (const char *)pool + row * width * lp_esize(dt);
 }
 
+static inline lp_vf lp_splat(float f) { return (lp_vf){0} + f; }
+
+/* lane-wise m ? a : b, m from a vector comparison (all bits set or none) */
+static inline lp_vf lp_sel(lp_vi m, lp_vf a, lp_vf b) {
+    return (lp_vf)((m & (lp_vi)a) | (~m & (lp_vi)b));
+}
+
+/* lane-wise a > b ? a : b: a NaN in a never wins, as with the scalar comparison */
+static inline lp_vf lp_max(lp_vf a, lp_vf b) { return lp_sel(a > b, a, b); }
+
+/* the largest lane, as a tree (NaN-free input) */
+static inline float lp_hmax(lp_vf v) {
+#if LP_VL == 16
+    v = lp_max(v, __builtin_shuffle(v, (lp_vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+    v = lp_max(v, __builtin_shuffle(v, (lp_vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+    v = lp_max(v, __builtin_shuffle(v, (lp_vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+#else
+    v = lp_max(v, __builtin_shuffle(v, (lp_vi){4, 5, 6, 7, 0, 1, 2, 3}));
+    v = lp_max(v, __builtin_shuffle(v, (lp_vi){2, 3, 0, 1, 6, 7, 4, 5}));
+#endif
+    return v[0] > v[1] ? v[0] : v[1];
+}
+
 /* the sum of the lanes, as a tree */
 static inline float lp_hsum(lp_vf v) {
 #if LP_VL == 16

@@ -208,3 +208,15 @@ def test_tasks_split_by_kv_heads_match_torch(
     step = make_step([(s, 1) for s in starts], heads, kv_heads, 16, 16, seed=threads + heads)
     ref_out, nat_out, _, _ = run_both(step)
     torch.testing.assert_close(nat_out, ref_out, **TOL)
+
+
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_large_scores_keep_the_softmax_exact(block_size: int) -> None:
+    # Scores hundreds apart within a block: exp against anything but its true maximum overflows
+    # (clamped), so the running max (vector lanes, then the tail) must be exact, not a bound.
+    starts = [0, 7, 40, 95]
+    step = make_step([(s, 1) for s in starts], 9, 3, 64, block_size, seed=13)
+    step.cache[0] *= 100.0  # keys: scores q . k / sqrt(64) hundreds apart within a block
+    ref_out, nat_out, _, _ = run_both(step)
+    assert torch.isfinite(ref_out).all()
+    torch.testing.assert_close(nat_out, ref_out, atol=1e-4, rtol=1e-4)
