@@ -20,37 +20,16 @@
 #define LP_TASKS_PER_THREAD 4 /* decode attention: fewer, and a task is split by KV heads */
 #define LP_MAX_RANK 1024  /* LoRA rank */
 
-/* exp(x) in a form the compiler vectorizes (libm's expf is a scalar call): Cephes' range
- * reduction x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial for e^r, and 2^n built in the
- * exponent bits. Relative error within ~2 ulp over [-87, 88]; NaN stays NaN. */
-static inline float lp_exp(float x) {
-    x = x > 88.0f ? 88.0f : x;
-    x = x < -87.0f ? -87.0f : x;
-    /* round to nearest: adding 1.5 * 2^23 leaves no fraction bits */
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union {
-        int32_t i;
-        float f;
-    } scale = {.i = ((int32_t)n + 127) << 23};
-    return p * scale.f;
-}
-
-/* lp_exp on LP_VL lanes, the same operations lane by lane (GCC does not vectorize the scalar
- * form's clamps without AVX-512's masks: on an AVX2 machine the softmax and SiLU loops that
- * called it ran one element at a time) */
+/* exp on LP_VL lanes: Cephes' range reduction x = n ln2 + r, |r| <= ln2 / 2, a degree-7
+ * polynomial for e^r, and 2^n built in the exponent bits. Relative error within ~2 ulp over
+ * [-87, 88]; NaN stays NaN. Written on vectors, not as a scalar function for the compiler to
+ * vectorize: GCC did that only with AVX-512's masks, and on an AVX2 machine the softmax and
+ * SiLU loops that called it ran one element at a time. */
 static inline lp_vf lp_exp_v(lp_vf x) {
     const lp_vf hi = lp_splat(88.0f), lo = lp_splat(-87.0f);
     x = lp_sel(x > hi, hi, x);
     x = lp_sel(x < lo, lo, x);
+    /* round to nearest: adding 1.5 * 2^23 leaves no fraction bits */
     const lp_vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     lp_vf r = x - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
@@ -64,6 +43,9 @@ static inline lp_vf lp_exp_v(lp_vf x) {
     const lp_vi e = (__builtin_convertvector(n, lp_vi) + 127) << 23;
     return p * (lp_vf)e;
 }
+
+/* the same exp for one value (vector tails, the softmax's rescale factor) */
+static inline float lp_exp(float x) { return lp_exp_v(lp_splat(x))[0]; }
 
 static inline float lp_dot(const float *restrict a, const float *restrict b, int64_t n) {
     float acc = 0.0f;
