@@ -40,6 +40,28 @@
 
 int lp_gemm_panel_width(void) { return LP_NR; }
 
+/* The first ncols <= LP_NR entries of bias (zeros after them; all zero without a bias) as the
+ * two vectors a tile's accumulators start from */
+static inline void lp_tile_bias(const float *bias, int64_t ncols, lp_vf *init0, lp_vf *init1) {
+    float b[LP_NR] = {0};
+    if (bias != NULL) memcpy(b, bias, (size_t)ncols * sizeof(float));
+    *init0 = lp_ld(b);
+    *init1 = lp_ld(b + LP_VL);
+}
+
+/* Columns [0, ncols) of one accumulator pair into the row at y */
+static inline void lp_tile_store(float *y, lp_vf c0, lp_vf c1, int64_t ncols) {
+    if (ncols == LP_NR) {
+        lp_st(y, c0);
+        lp_st(y + LP_VL, c1);
+        return;
+    }
+    float t[LP_NR];
+    lp_st(t, c0);
+    lp_st(t + LP_VL, c1);
+    memcpy(y, t, (size_t)ncols * sizeof(float));
+}
+
 /* rows [0, mr) of y[:, cols) = x[0:mr] @ panel (+ bias) with ncols <= LP_NR valid columns.
  * x is row-major with rows ldx apart, or with xt a packed tile: element (i, k) at
  * x[k * LP_MR + i], so that its broadcasts are one pointer and constant offsets (row pointers
@@ -48,14 +70,8 @@ static inline __attribute__((always_inline)) void lp_gemm_tile(
     const int mr, const int xt, int64_t k_len, const float *restrict x, int64_t ldx,
     const float *restrict panel, const float *pf, const float *spread, int64_t spread_rows,
     const float *restrict bias, float *restrict y, int64_t ldy, int64_t ncols) {
-    lp_vf c0[LP_MR], c1[LP_MR];
-    lp_vf init0 = {0}, init1 = {0};
-    if (bias != NULL) {
-        float b[LP_NR] = {0};
-        memcpy(b, bias, (size_t)ncols * sizeof(float));
-        init0 = lp_ld(b);
-        init1 = lp_ld(b + LP_VL);
-    }
+    lp_vf c0[LP_MR], c1[LP_MR], init0, init1;
+    lp_tile_bias(bias, ncols, &init0, &init1);
 #pragma GCC unroll 16
     for (int i = 0; i < mr; i++) {
         c0[i] = init0;
@@ -83,20 +99,8 @@ static inline __attribute__((always_inline)) void lp_gemm_tile(
             c1[i] += a * b1;
         }
     }
-    if (ncols == LP_NR) {
 #pragma GCC unroll 16
-        for (int i = 0; i < mr; i++) {
-            lp_st(y + i * ldy, c0[i]);
-            lp_st(y + i * ldy + LP_VL, c1[i]);
-        }
-    } else {
-        for (int i = 0; i < mr; i++) {
-            float t[LP_NR];
-            lp_st(t, c0[i]);
-            lp_st(t + LP_VL, c1[i]);
-            memcpy(y + i * ldy, t, (size_t)ncols * sizeof(float));
-        }
-    }
+    for (int i = 0; i < mr; i++) lp_tile_store(y + i * ldy, c0[i], c1[i], ncols);
 }
 
 /* one tile with mr a compile-time constant, so that the accumulators live in registers */
@@ -174,14 +178,9 @@ static inline __attribute__((always_inline)) void lp_few_tile(
     lp_vf c0[LP_FEW_PAIRS], c1[LP_FEW_PAIRS]; /* [s * mr + i]: panel s, row i */
 #pragma GCC unroll 8
     for (int s = 0; s < g; s++) {
-        lp_vf init0 = {0}, init1 = {0};
         const int64_t c = col + s * LP_NR, ncols = n - c < LP_NR ? n - c : LP_NR;
-        if (bias != NULL) {
-            float b[LP_NR] = {0};
-            memcpy(b, bias + c, (size_t)ncols * sizeof(float));
-            init0 = lp_ld(b);
-            init1 = lp_ld(b + LP_VL);
-        }
+        lp_vf init0, init1;
+        lp_tile_bias(bias != NULL ? bias + c : NULL, ncols, &init0, &init1);
 #pragma GCC unroll 8
         for (int i = 0; i < mr; i++) {
             c0[s * mr + i] = init0;
@@ -209,12 +208,8 @@ static inline __attribute__((always_inline)) void lp_few_tile(
     for (int s = 0; s < g; s++) {
         const int64_t c = col + s * LP_NR, ncols = n - c < LP_NR ? n - c : LP_NR;
 #pragma GCC unroll 8
-        for (int i = 0; i < mr; i++) {
-            float t[LP_NR];
-            lp_st(t, c0[s * mr + i]);
-            lp_st(t + LP_VL, c1[s * mr + i]);
-            memcpy(y + i * ldy + c, t, (size_t)ncols * sizeof(float));
-        }
+        for (int i = 0; i < mr; i++)
+            lp_tile_store(y + i * ldy + c, c0[s * mr + i], c1[s * mr + i], ncols);
     }
 }
 

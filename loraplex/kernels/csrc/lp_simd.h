@@ -133,29 +133,37 @@ static inline lp_vf lp_sel(lp_vi m, lp_vf a, lp_vf b) {
 /* lane-wise a > b ? a : b: a NaN in a never wins, as with the scalar comparison */
 static inline lp_vf lp_max(lp_vf a, lp_vf b) { return lp_sel(a > b, a, b); }
 
-/* the largest lane, as a tree (NaN-free input) */
-static inline float lp_hmax(lp_vf v) {
+/* The reduction trees of lp_hmax and lp_hsum: each level folds the upper half of every block
+ * of lanes onto the lower half, until two lanes are left. */
 #if LP_VL == 16
-    v = lp_max(v, __builtin_shuffle(v, (lp_vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
-    v = lp_max(v, __builtin_shuffle(v, (lp_vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
-    v = lp_max(v, __builtin_shuffle(v, (lp_vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+#define LP_FOLD(v, op)                                                                      \
+    do {                                                                                    \
+        v = op(v, __builtin_shuffle(v, (lp_vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, \
+                                               5, 6, 7}));                                  \
+        v = op(v, __builtin_shuffle(v, (lp_vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, \
+                                               9, 10, 11}));                                \
+        v = op(v, __builtin_shuffle(v, (lp_vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14,  \
+                                               15, 12, 13}));                               \
+    } while (0)
 #else
-    v = lp_max(v, __builtin_shuffle(v, (lp_vi){4, 5, 6, 7, 0, 1, 2, 3}));
-    v = lp_max(v, __builtin_shuffle(v, (lp_vi){2, 3, 0, 1, 6, 7, 4, 5}));
+#define LP_FOLD(v, op)                                                        \
+    do {                                                                      \
+        v = op(v, __builtin_shuffle(v, (lp_vi){4, 5, 6, 7, 0, 1, 2, 3}));     \
+        v = op(v, __builtin_shuffle(v, (lp_vi){2, 3, 0, 1, 6, 7, 4, 5}));     \
+    } while (0)
 #endif
+
+static inline lp_vf lp_add(lp_vf a, lp_vf b) { return a + b; }
+
+/* the largest lane (NaN-free input) */
+static inline float lp_hmax(lp_vf v) {
+    LP_FOLD(v, lp_max);
     return v[0] > v[1] ? v[0] : v[1];
 }
 
 /* the sum of the lanes, as a tree */
 static inline float lp_hsum(lp_vf v) {
-#if LP_VL == 16
-    v += __builtin_shuffle(v, (lp_vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    v += __builtin_shuffle(v, (lp_vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    v += __builtin_shuffle(v, (lp_vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-#else
-    v += __builtin_shuffle(v, (lp_vi){4, 5, 6, 7, 0, 1, 2, 3});
-    v += __builtin_shuffle(v, (lp_vi){2, 3, 0, 1, 6, 7, 4, 5});
-#endif
+    LP_FOLD(v, lp_add);
     return v[0] + v[1];
 }
 
