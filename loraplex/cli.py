@@ -175,6 +175,20 @@ def build_parser() -> argparse.ArgumentParser:
             ),
         )
     )
+    from loraplex.bench.gemm import add_gemm_arguments
+
+    add_gemm_arguments(
+        benches.add_parser(
+            "gemm",
+            help="the packed CPU GEMM vs F.linear per row count, on the model's linear shapes",
+            description=(
+                "Time the native packed GEMM against F.linear (torch's BLAS) at each --rows "
+                "batch size on SmolLM2-135M's linear shapes (or --shapes), weights warm, in "
+                "paired alternating runs (median): the measurement behind the row count up to "
+                "which the engine uses the packed kernel. Writes JSON to --output-dir."
+            ),
+        )
+    )
     from loraplex.bench.replicas import add_replicas_arguments
 
     add_replicas_arguments(
@@ -409,6 +423,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from loraplex.bench.speculative import run_speculative
 
             run_speculative(speculative_options(args))
+            return 0
+        if args.command == "bench" and args.bench == "gemm":
+            from loraplex.bench.gemm import options_from as gemm_options
+            from loraplex.bench.gemm import run_gemm
+
+            run_gemm(gemm_options(args))
             return 0
         if args.command == "bench" and args.bench == "replicas":
             from loraplex.bench.replicas import options_from as replicas_options

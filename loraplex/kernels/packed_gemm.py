@@ -1,15 +1,16 @@
 """Linear layers on the CPU with the weight packed once into column panels (``csrc/gemm.c``).
 
-At decode-sized batches (up to ``PACKED_MAX_ROWS`` rows) the packed kernel streams each weight
-exactly once per call with prefetching, where a BLAS sgemm repacks it on every call: a few rows
-are bound by reading the weight, a few dozen by the arithmetic, with the next panel's fetch
-overlapping it. Larger batches (prefill chunks), other dtypes and
-devices, and layouts the kernel cannot read go to ``F.linear``, the reference the tests compare
-against. The packed copy is extra memory: one more copy of every packed weight, fp32, in huge
-pages where the OS gives them (``host_memory``).
+The packed kernel streams each weight exactly once per call with prefetching, where a BLAS
+sgemm repacks it on every call: a few rows are bound by reading the weight, a few dozen by the
+arithmetic, with the next panel's fetch overlapping it. Up to :func:`max_rows` rows (all of
+them on AVX2 builds, decode-sized batches on AVX-512 ones) it takes the call; larger batches,
+other dtypes and devices, and layouts the kernel cannot read go to ``F.linear``, the reference
+the tests compare against. The packed copy is extra memory: one more copy of every packed
+weight, fp32, in huge pages where the OS gives them (``host_memory``).
 
-``bench``: ``python -m loraplex.cli bench throughput`` compares the whole engine with Hugging
-Face; ``tests/kernels/test_packed_gemm.py`` compares this kernel with torch.
+``bench``: ``loraplex bench gemm`` times this kernel against ``F.linear`` per row count on the
+embedded model's shapes; ``python -m loraplex.cli bench throughput`` compares the whole engine
+with Hugging Face; ``tests/kernels/test_packed_gemm.py`` compares this kernel with torch.
 """
 
 from __future__ import annotations
@@ -21,9 +22,25 @@ import torch.nn.functional as F
 
 from loraplex.kernels import host_memory, native
 
-# Up to here the packed kernel beats MKL on the 2-core CI machine (1.2-2x at 8-64 rows, about
-# even at 128); beyond it the BLAS is as fast or faster and the unpacked weight is used.
-PACKED_MAX_ROWS = 128
+# Rows up to which the packed kernel takes a call, by the build's panel width (None: any), as
+# measured with ``loraplex bench gemm`` (both on 2 threads, weights warm):
+# - AVX-512 (32 columns), a 2-core Intel Xeon: 1.2-2x MKL at 8-64 rows, about even at 128, so
+#   prefill chunks went to the BLAS there.
+# - AVX2 (16 columns), a 2-core AMD EPYC (Zen 2): ahead of MKL at every row count, 141/140/146/
+#   137 GFLOP/s against 72/104/127/127 at 64/256/1024/2048 rows; prefill through the packed
+#   kernel made the whole base workload 1.04x (median of 5 alternating pairs, same tokens).
+# Other widths keep the decode-sized cap.
+_MAX_ROWS_BY_PANEL_WIDTH: dict[int, int | None] = {32: 128, 16: None}
+_DEFAULT_MAX_ROWS = 128
+
+
+def max_rows() -> int | None:
+    """Rows up to which :func:`linear` uses the packed kernel on this build (None: any number),
+    or 0 without the native kernels."""
+    width = panel_width()
+    if width is None:
+        return 0
+    return _MAX_ROWS_BY_PANEL_WIDTH.get(width, _DEFAULT_MAX_ROWS)
 
 
 def panel_width() -> int | None:
@@ -64,8 +81,19 @@ def linear(
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [T, in]``, ``weight [out, in]``; ``packed`` is
     ``pack(weight.t())`` or None. Uses the packed kernel when it applies."""
-    y = _packed_call(x, weight, packed, bias, None)
+    y = _packed_call(x, weight, packed, bias, None) if _within_rows(x) else None
     return F.linear(x, weight, bias) if y is None else y
+
+
+def linear_any_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    packed: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The packed kernel's ``linear`` at any number of rows, past :func:`max_rows` too (what
+    ``loraplex bench gemm`` measures), or None where its layout does not apply."""
+    return _packed_call(x, weight, packed, bias, None)
 
 
 def linear_lora(
@@ -79,7 +107,7 @@ def linear_lora(
     the adapters' rows are fetched while the GEMM computes), or None where the packed kernel
     does not apply or ``lora_call(y)`` (the address of an ``lp_lora_call`` set up for this
     ``y`` and ``x``) gives None: then the caller runs the two steps itself."""
-    return _packed_call(x, weight, packed, bias, lora_call)
+    return _packed_call(x, weight, packed, bias, lora_call) if _within_rows(x) else None
 
 
 def _packed_call(
@@ -117,8 +145,13 @@ def _packed_call(
     return y
 
 
+def _within_rows(x: torch.Tensor) -> bool:
+    limit = max_rows()
+    return limit is None or x.shape[0] <= limit
+
+
 def _applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    if x.dim() != 2 or not 0 < x.shape[0] <= PACKED_MAX_ROWS or x.shape[1] != weight.shape[1]:
+    if x.dim() != 2 or x.shape[0] == 0 or x.shape[1] != weight.shape[1]:
         return False
     if x.stride(1) != 1 or x.stride(0) < x.shape[1]:
         return False

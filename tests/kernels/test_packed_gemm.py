@@ -103,11 +103,49 @@ def test_nonfinite_inputs_propagate(gen: torch.Generator) -> None:
 def _fallback_cases(gen: torch.Generator) -> list[tuple[str, torch.Tensor]]:
     k = 24
     return [
-        ("more rows than the kernel takes", torch.randn(packed_gemm.PACKED_MAX_ROWS + 1, k)),
         ("columns not contiguous", torch.randn(k, 5, generator=gen).t()),
         ("3-D input", torch.randn(2, 3, k, generator=gen)),
         ("no rows", torch.randn(0, k)),
     ]
+
+
+# rows past the AVX-512 builds' cap, prefill chunks: they stay packed where max_rows() allows
+@pytest.mark.parametrize("rows", [129, 300, 1024])
+@pytest.mark.parametrize(("k", "n"), [(130, 257), (576, 960), (1536, 576)])
+def test_prefill_sized_batches(
+    spy: LibSpy, gen: torch.Generator, rows: int, k: int, n: int
+) -> None:
+    weight = torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    spy.calls.clear()
+    y = packed_gemm.linear(x, weight, packed_gemm.pack(weight.t()), bias)
+    limit = packed_gemm.max_rows()
+    assert spy.calls == ([] if limit is not None and rows > limit else ["lp_gemm_packed"])
+    torch.testing.assert_close(y, F.linear(x, weight, bias), **TOL)
+
+
+@pytest.mark.parametrize(("width", "expected"), [(16, None), (32, 128), (64, 128)])
+def test_row_cap_follows_the_build(
+    monkeypatch: pytest.MonkeyPatch, width: int, expected: int | None
+) -> None:
+    monkeypatch.setattr(packed_gemm, "panel_width", lambda: width)
+    assert packed_gemm.max_rows() == expected  # unmeasured widths keep the decode-sized cap
+
+
+def test_rows_past_the_cap_go_to_f_linear(
+    spy: LibSpy, gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    weight = torch.randn(17, 24, generator=gen)
+    packed = packed_gemm.pack(weight.t())
+    monkeypatch.setattr(packed_gemm, "max_rows", lambda: 8)
+    for rows, calls in ((8, ["lp_gemm_packed"]), (9, [])):
+        spy.calls.clear()
+        x = torch.randn(rows, 24, generator=gen)
+        torch.testing.assert_close(
+            packed_gemm.linear(x, weight, packed), F.linear(x, weight), **TOL
+        )
+        assert spy.calls == calls, rows
 
 
 def test_fallbacks_to_f_linear(spy: LibSpy, gen: torch.Generator) -> None:

@@ -1,10 +1,11 @@
-/* y = x @ W (+ bias) in fp32 with W pre-packed in column panels, for decode-sized batches.
+/* y = x @ W (+ bias) in fp32 with W pre-packed in column panels.
  *
  * At 1 to ~100 rows a linear layer is bound by streaming its weight from memory, and a BLAS
  * sgemm pays there for packing W on every call and for prefetching too little of it: on the
  * 2-core CI machine MKL reaches 40-130 GFLOP/s at 8-32 rows where this kernel reaches 80-155.
- * loraplex packs each weight once at load time and calls this up to PACKED_MAX_ROWS rows
- * (loraplex/kernels/packed_gemm.py); larger batches (prefill chunks) go to torch.
+ * loraplex packs each weight once at load time and calls this up to packed_gemm.max_rows()
+ * rows (loraplex/kernels/packed_gemm.py: every batch on AVX2 builds, where it is ahead of MKL
+ * at prefill sizes too; up to 128 rows on AVX-512 ones); larger batches go to torch.
  *
  * Packed layout: W [K, N] becomes [ceil(N / LP_NR)][K][LP_NR], column panels of LP_NR (two
  * vectors) with the rows of each panel contiguous; the last panel is zero-padded. One register
