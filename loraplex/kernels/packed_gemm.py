@@ -15,7 +15,9 @@ with Hugging Face; ``tests/kernels/test_packed_gemm.py`` compares this kernel wi
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +28,10 @@ from loraplex.kernels import host_memory, native
 # measured with ``loraplex bench gemm`` (both on 2 threads, weights warm):
 # - AVX-512 (32 columns), a 2-core Intel Xeon: 1.2-2x MKL at 8-64 rows, about even at 128, so
 #   prefill chunks went to the BLAS there.
-# - AVX2 (16 columns), a 2-core AMD EPYC (Zen 2): ahead of MKL at every row count, 141/140/146/
-#   137 GFLOP/s against 72/104/127/127 at 64/256/1024/2048 rows; prefill through the packed
-#   kernel made the whole base workload 1.04x (median of 5 alternating pairs, same tokens).
+# - AVX2 (16 columns), a 2-core AMD EPYC (Zen 2): ahead of MKL at every row count, 154/158/154/
+#   160/157 GFLOP/s against 100/116/130/144/146 at 64/128/256/1024/2048 rows (medians of 5
+#   pairs); prefill through the packed kernel made the whole base workload 1.027x (299 -> 307
+#   tok/s, median of 5 alternating pairs in one engine, same tokens).
 # Other widths keep the decode-sized cap.
 _MAX_ROWS_BY_PANEL_WIDTH: dict[int, int | None] = {32: 128, 16: None}
 _DEFAULT_MAX_ROWS = 128
@@ -46,7 +49,14 @@ def max_rows() -> int | None:
 def panel_width() -> int | None:
     """Columns per packed panel of this machine's build, or None without the native kernels."""
     lib = native.library()
-    return None if lib is None else int(lib.lp_gemm_panel_width())
+    return None if lib is None else _width_of(lib)
+
+
+@cache
+def _width_of(lib: ctypes.CDLL) -> int:
+    """A loaded library's panel width: fixed by its build, asked once (``linear`` asks on every
+    call, through :func:`max_rows`)."""
+    return int(lib.lp_gemm_panel_width())
 
 
 def packs(dtype: torch.dtype, device: torch.device) -> bool:
