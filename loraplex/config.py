@@ -19,6 +19,10 @@ SchedulingPolicy = Literal["fcfs", "priority", "fair"]
 AttentionBackendName = Literal["auto", "torch", "native", "triton"]  # engine/attention/select.py
 # Request priorities (lower runs earlier, 0 the default): what an API caller may send.
 PRIORITY_RANGE = (-1000, 1000)
+# A tenant's share weight under the fair policy (1 = an equal share), both ends included: a
+# request's charge is divided by its weight, so the bounds keep every fair counter finite and
+# within 100x of an equal share's (a weight of 5e-324 made a counter +inf, for good).
+TENANT_WEIGHT_RANGE = (0.01, 100.0)
 
 
 MAX_LORAS = 256  # adapters one step may use: the page index is [modules, MAX_LORAS, rank]

@@ -10,6 +10,7 @@ import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
+from loraplex.config import TENANT_WEIGHT_RANGE
 from loraplex.engine.request import Request
 
 # Steps a skipped adapter request waits before no other adapter request may pass it.
@@ -29,7 +30,9 @@ class Service:
 
 def check_tenant_weights(weights: Mapping[str, float]) -> dict[str, float]:
     """A copy of ``weights`` (tenant id -> share weight), or ``ValueError`` naming the bad
-    entry: every weight is a finite number above 0."""
+    entry: every weight is a number within ``TENANT_WEIGHT_RANGE``, so a charge divided by it
+    stays finite (and so does every fair counter)."""
+    low, high = TENANT_WEIGHT_RANGE
     checked: dict[str, float] = {}
     for tenant, weight in weights.items():
         if not isinstance(tenant, str):
@@ -38,10 +41,11 @@ def check_tenant_weights(weights: Mapping[str, float]) -> dict[str, float]:
             isinstance(weight, bool)
             or not isinstance(weight, int | float)
             or not math.isfinite(weight)
-            or weight <= 0
+            or not low <= weight <= high
         ):
             raise ValueError(
-                f"the weight of tenant {tenant!r} must be a finite number above 0; got {weight!r}"
+                f"the weight of tenant {tenant!r} must be a number from {low:g} to {high:g}; "
+                f"got {weight!r}"
             )
         checked[tenant] = float(weight)
     return checked

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
-from loraplex.config import PRIORITY_RANGE
+from loraplex.config import PRIORITY_RANGE, TENANT_WEIGHT_RANGE
 from loraplex.engine.client import EngineDeadError
 from loraplex.platform import audit
 from loraplex.platform.auth import SCOPE_ADAPTERS_WRITE, SCOPE_INFERENCE
@@ -50,7 +50,7 @@ QUOTA_FIELDS = (
 
 
 TENANT_STATUSES = ("active", "suspended")
-MAX_WEIGHT = 1000.0
+MIN_WEIGHT, MAX_WEIGHT = TENANT_WEIGHT_RANGE
 # A running server re-reads the weights this often (the admin API pushes its changes at once;
 # this picks up the CLI's, made on the database directly).
 WEIGHT_REFRESH_S = 10.0
@@ -70,13 +70,12 @@ def check_weight(value: object) -> float:
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)
-        or not 0 < value <= MAX_WEIGHT
-        or value != value
+        or not MIN_WEIGHT <= value <= MAX_WEIGHT  # also refuses nan
     ):
         raise APIError(
             400,
-            f"weight must be a number above 0 and at most {MAX_WEIGHT:g} (1 = an equal share "
-            f"of the engine); got {str(value)[:40]}.",
+            f"weight must be a number from {MIN_WEIGHT:g} to {MAX_WEIGHT:g} (1 = an equal "
+            f"share of the engine, 2 twice that); got {str(value)[:40]}.",
             param="weight",
             code="invalid_weight",
         )
@@ -450,8 +449,11 @@ class TenantService:
 
 
 def tenant_weights(session: Session) -> dict[str, float]:
-    """Every tenant's scheduling weight, by the id the engine knows it by (``Caller.tenant_id``)."""
-    return {str(tid): float(w) for tid, w in session.execute(select(Tenant.id, Tenant.weight))}
+    """Every tenant's scheduling weight, by the id the engine knows it by (``Caller.tenant_id``).
+    A row written before the range narrowed (up to 1000, or any number above 0) is clamped into
+    it, so one old row cannot make the engine refuse every tenant's weight."""
+    rows = session.execute(select(Tenant.id, Tenant.weight))
+    return {str(tid): min(max(float(w), MIN_WEIGHT), MAX_WEIGHT) for tid, w in rows}
 
 
 def tenant_names(session: Session, ids: Iterable[str]) -> dict[str, str]:

@@ -15,7 +15,7 @@ from urllib.parse import urlencode
 
 from loraplex.config import PRIORITY_RANGE
 from loraplex.platform.errors import APIError
-from loraplex.platform.tenants import MAX_WEIGHT
+from loraplex.platform.tenants import MAX_WEIGHT, MIN_WEIGHT
 from loraplex.webui.context import Refused
 
 WEB_ACTOR = "admin (web)"  # the audit log's actor for changes made in the admin UI
@@ -164,10 +164,10 @@ def parse_scheduling(fields: dict[str, str], errors: FormErrors) -> tuple[float 
             weight = float(text) if len(text) <= MAX_NUMBER_TEXT and text.isascii() else -1.0
         except ValueError:
             weight = -1.0
-        if not 0 < weight <= MAX_WEIGHT:  # also nan and inf
+        if not MIN_WEIGHT <= weight <= MAX_WEIGHT:  # also nan and inf
             weight = None
             errors["weight"] = (
-                f"Weight: enter a number above 0 and at most {MAX_WEIGHT:,.0f} (1 is an equal "
+                f"Weight: enter a number from {MIN_WEIGHT:g} to {MAX_WEIGHT:g} (1 is an equal "
                 "share; 2 gets twice the share of a tenant of weight 1 when both wait)."
             )
     text = fields.get("max_priority", "").strip()

@@ -65,7 +65,8 @@ def test_starvation_guard_blocks_its_priority_and_worse_only() -> None:
 
 def test_tenant_weights_are_checked() -> None:
     assert check_tenant_weights({"a": 3, "b": 0.5}) == {"a": 3.0, "b": 0.5}
-    for bad in (0, -1, math.nan, math.inf, True, "2"):
+    assert check_tenant_weights({"a": 0.01, "b": 100}) == {"a": 0.01, "b": 100.0}
+    for bad in (0, -1, math.nan, math.inf, True, "2", 5e-324, 0.0099, 100.5):
         with pytest.raises(ValueError, match="weight of tenant 'a'"):
             check_tenant_weights({"a": bad})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match="keyed by tenant id"):

@@ -275,7 +275,8 @@ def test_tenant_scheduling_and_limits_from_the_shell(
     for args, needle in (
         (("--weight", "0"), "must be more than 0"),
         (("--weight", "abc"), "expected a number"),
-        (("--weight", "5000"), "at most 1000"),
+        (("--weight", "5000"), "from 0.01 to 100"),
+        (("--weight", "5e-324"), "from 0.01 to 100"),
         (("--max-priority", "-5000"), "from -1000 to 1000"),
         (("--rpm", "0"), "at least 1"),
     ):

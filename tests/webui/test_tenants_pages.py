@@ -396,10 +396,12 @@ async def test_scheduling_fields_create_edit_and_reach_the_engine(web: WebEnv) -
         assert row is not None and (row.weight, row.max_priority) == (4.0, -7)
 
         for fields, field, message in (
-            ({"weight": "0"}, "weight", "above 0 and at most 1,000"),
-            ({"weight": "nan"}, "weight", "above 0"),
-            ({"weight": "1e999"}, "weight", "above 0"),
-            ({"weight": "9" * 30}, "weight", "above 0"),
+            ({"weight": "0"}, "weight", "from 0.01 to 100"),
+            ({"weight": "5e-324"}, "weight", "from 0.01 to 100"),
+            ({"weight": "101"}, "weight", "from 0.01 to 100"),
+            ({"weight": "nan"}, "weight", "from 0.01"),
+            ({"weight": "1e999"}, "weight", "from 0.01"),
+            ({"weight": "9" * 30}, "weight", "from 0.01"),
             ({"max_priority": "-1001"}, "max_priority", "from -1000 to 1000"),
             ({"max_priority": "1.5"}, "max_priority", "whole number"),
             ({"max_priority": "--1"}, "max_priority", "whole number"),

@@ -55,7 +55,10 @@ class QuotasBody(BaseModel):
     max_adapters: StrictInt | None = None
 
 
-_WEIGHT = "share of the engine when backlogged under the fair policy (1 = an equal share)"
+_WEIGHT = (
+    f"share of the engine when backlogged under the fair policy (1 = an equal share), from "
+    f"{tenants.MIN_WEIGHT:g} to {tenants.MAX_WEIGHT:g}"
+)
 _MAX_PRIORITY = "the most urgent request priority the tenant may send (lower runs earlier)"
 
 

@@ -74,7 +74,9 @@ async def test_create_and_patch_push_the_weights_to_the_engine(tenancy: Any) -> 
     [
         ("weight", "0", "invalid_weight"),
         ("weight", "-1", "invalid_weight"),
-        ("weight", "1001", "invalid_weight"),
+        ("weight", "101", "invalid_weight"),
+        ("weight", "5e-324", "invalid_weight"),  # the smallest float: a counter of +inf
+        ("weight", "0.0099", "invalid_weight"),
         ("weight", "1" + "0" * 20, "invalid_weight"),
         ("weight", "1e309", "invalid_weight"),  # infinity once parsed
         ("weight", "true", None),
@@ -99,7 +101,8 @@ async def test_bad_scheduling_values_are_refused_with_the_range(
         error = r.json()["error"]
         assert field in (error.get("param") or "") or field in error["message"], error
         if code is not None:
-            assert error["code"] == code and "1000" in error["message"], error
+            limits = "from 0.01 to 100" if field == "weight" else "from -1000 to 1000"
+            assert error["code"] == code and limits in error["message"], error
     assert env.fake.tenant_weights is None  # nothing reached the engine
     with env.store.db.session() as session:
         assert tenants.get_tenant(session, "acme") is None
