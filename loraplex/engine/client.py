@@ -61,8 +61,10 @@ class RequestDelta:
     num_cached_tokens: int
     queue_time: float | None = None  # seconds the sample waited to be scheduled (first delta)
     # finish_reason "error": why the engine could not serve it (a structured-output constraint
-    # that failed to compile, or whose matcher failed); the request is lost, the engine is fine
+    # that failed to compile, or whose matcher failed, or its adapter failed to load); the
+    # request is lost, the engine is fine
     error: str | None = None
+    error_code: str | None = None  # "adapter_failed", or None (a constraint's error)
 
 
 class EngineDeadError(RuntimeError):
@@ -136,6 +138,11 @@ class EngineClient(ABC):
     async def _unload_lora(self, key: str) -> None:
         """The engine call: forget ``key`` (``ValueError`` while the engine still runs
         requests on it)."""
+
+    @abstractmethod
+    async def retry_lora(self, key: str) -> bool:
+        """Forget the load failure of adapter ``key`` (content hash): its next request loads it
+        again. False when it had none."""
 
     async def add_lora(
         self, name: str, path: str, pinned: bool = False, *, owner: str = OPERATOR_OWNER
@@ -490,6 +497,7 @@ class StreamingClient(EngineClient):
                     out.num_cached_tokens,
                     out.queue_time,
                     out.error,
+                    out.error_code,
                 )
             )
 

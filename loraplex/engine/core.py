@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from loraplex.config import EngineConfig
+from loraplex.engine.adapter_residency import AdapterResidency
 from loraplex.engine.info import NO_TENANT, EngineInfo, EngineStats, LoRAStats, TenantStats
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.models.parallel import SINGLE
@@ -22,6 +23,8 @@ from loraplex.engine.tensor_parallel import WorkerGroup
 from loraplex.engine.thread_governor import ThreadGovernor
 from loraplex.grammar import GrammarBackend, LLGuidanceBackend
 from loraplex.lora.adapter import LoRAAdapter
+from loraplex.lora.errors import AdapterError
+from loraplex.lora.pool import PoolFullError
 
 logger = logging.getLogger(__name__)
 
@@ -126,13 +129,17 @@ class EngineCore:
         self.eos_token_ids: tuple[int, ...] = tuple(eos)  # the model's, then the tokenizer's
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.structured = StructuredOutputs(grammar_backend or self._grammar_backend)
+        # Where each adapter is and may be: decided here (torch-free), carried out by the runner.
+        self.adapters: AdapterResidency | None = None
+        if lora is not None:
+            self.adapters = AdapterResidency(lora.pages_per_module(), config.lora.max_cpu_loras)
         self.scheduler = Scheduler(
             config.scheduler,
             self.kv,
             max_model_len,
             max_loras=config.lora.max_loras,
             constraints=self.structured,
-            residency=self.runner.lora,
+            residency=self.adapters,
         )
         self.spec: SpecDecoder | None = None
         if proposer is not None and config.speculative_config is not None:
@@ -153,16 +160,42 @@ class EngineCore:
     # ---- adapters --------------------------------------------------------------------------
 
     def add_lora(self, name: str, path: str, pinned: bool = False) -> LoRAAdapter:
-        """Load and validate an adapter (``AdapterError`` when bad); returns it (key: its hash)."""
-        assert self.runner.lora is not None
-        adapter = self.runner.lora.add_adapter(path, name, pinned=pinned)
+        """Load and validate an adapter (``AdapterError`` when bad); returns it (key: its hash).
+        A pinned adapter is copied into the device pool now and never evicted from it."""
+        store, residency = self.runner.lora, self.adapters
+        assert store is not None and residency is not None
+        adapter, reg = store.add_adapter(path, name)
+        try:
+            residency.register(reg.key, name, reg.ranks, reg.nbytes)
+        except PoolFullError as exc:
+            raise AdapterError(
+                "pool_too_small",
+                f"adapter {name!r} does not fit the device adapter pool: {exc}; raise "
+                "--lora-memory",
+            ) from exc
         if self.workers is not None:  # every rank keeps its share (read from the same files)
             try:
                 self.workers.add_adapter(name, path)
             except BaseException:
-                self.runner.lora.remove_adapter(adapter.content_hash)
+                self.remove_lora(reg.key)
                 raise
+        if pinned:
+            self._pin(reg.key)
         return adapter
+
+    def _pin(self, key: str) -> None:
+        """Pin ``key`` and copy it into the pool before returning (``RuntimeError`` when the
+        pool has no room without evicting adapters in use or pinned)."""
+        store, residency = self.runner.lora, self.adapters
+        assert store is not None and residency is not None
+        residency.pin(key)
+        order = residency.reserve_now(key, self.scheduler.slots.holds)
+        if order is not None:
+            result = store.load_now(order)
+            residency.loaded(result)
+            if result.error is not None:
+                residency.pin(key, False)
+                raise RuntimeError(residency.failure(key) or result.error)
 
     def remove_lora(self, key: str) -> None:
         """Forget an adapter. Refused while requests still use it."""
@@ -173,11 +206,17 @@ class EngineCore:
                 f"adapter {key[:12]} is in use by {len(users)} request(s); wait for them to "
                 "finish or abort them, then remove it"
             )
-        assert self.runner.lora is not None
-        self.runner.lora.remove_adapter(key)
+        assert self.runner.lora is not None and self.adapters is not None
+        self.adapters.forget(key)
+        self.runner.lora.forget(key)
 
     def has_lora(self, key: str) -> bool:
-        return self.runner.lora is not None and self.runner.lora.has_adapter(key)
+        return self.adapters is not None and self.adapters.has(key)
+
+    def retry_lora(self, key: str) -> bool:
+        """Forget ``key``'s load failure: its next request loads it again. False when it had
+        none."""
+        return self.adapters is not None and self.adapters.retry(key)
 
     def add_request(self, req: Request) -> None:
         """Queue ``req`` (``ValueError`` when it cannot be served). A request with a
@@ -299,32 +338,38 @@ class EngineCore:
         return tenants
 
     def _lora_stats(self) -> LoRAStats | None:
-        lora = self.runner.lora
-        if lora is None:
+        store, residency = self.runner.lora, self.adapters
+        if store is None or residency is None:
             return None
-        residency = lora.residency()
-        usage = lora.pool_usage()
-        pool = lora.pool.counters if lora.pool is not None else None
+        counts = residency.counts()
+        rs = residency.stats
+        pool = residency.pool
+        geo = store.geometry
+        used = pool.pages_used_by_module()
         return LoRAStats(
-            disk_loads=lora.stats.disk_loads,
-            host_hits=lora.stats.host_hits,
-            host_evictions=lora.stats.host_evictions,
-            slot_loads=lora.stats.slot_loads,
-            slot_hits=lora.stats.slot_hits,
-            slot_evictions=0 if pool is None else pool.evictions,
-            load_waits=lora.stats.load_waits,
-            loads_deferred=0 if pool is None else pool.deferred,
-            load_bytes=lora.stats.load_bytes,
-            loads_in_flight=usage["loading"],
-            pool_pages=usage["pages"],
-            pool_pages_used=usage["pages_used"],
-            pool_bytes=usage["bytes"],
-            pool_bytes_used=usage["bytes_used"],
-            adapter_bytes=usage["adapter_bytes"],
-            resident_device=residency["device"],
-            resident_host=residency["host"],
-            registered=residency["disk"],
-            residency=lora.tiers(),
+            disk_loads=store.stats.adds + rs.disk_loads,
+            host_hits=rs.host_hits,
+            host_evictions=rs.host_evictions,
+            slot_loads=rs.slot_loads,
+            slot_hits=store.stats.slot_hits,
+            slot_evictions=pool.counters.evictions,
+            load_waits=0,  # no step waits for a copy: admission takes ready adapters only
+            loads_deferred=rs.loads_deferred,
+            load_failures=rs.load_failures,
+            load_bytes=rs.load_bytes,
+            loads_in_flight=residency.loads_in_flight,
+            pool_pages=pool.pages_total(),
+            pool_pages_used=sum(used.values()),
+            pool_bytes=0 if geo is None else geo.bytes_total,
+            pool_bytes_used=0
+            if geo is None
+            else sum(n * geo.page_bytes[m] for m, n in used.items()),
+            adapter_bytes=residency.adapter_bytes(),
+            resident_device=counts["device"],
+            resident_host=counts["host"],
+            registered=counts["disk"],
+            residency=residency.tiers(),
+            failed=residency.failed(),
         )
 
 

@@ -470,6 +470,14 @@ class DataParallelClient(EngineClient):
             return info
         raise dead
 
+    async def retry_lora(self, key: str) -> bool:
+        retried = False
+        for replica in self.replicas:
+            if replica.healthy and replica.has_lora(key):
+                with contextlib.suppress(EngineDeadError):
+                    retried = await replica.retry_lora(key) or retried
+        return retried
+
     async def _unload_lora(self, key: str) -> None:
         pending = [t for (_, k), t in self._loading.items() if k == key]
         await asyncio.gather(*pending, return_exceptions=True)

@@ -48,6 +48,7 @@ LORA_COUNTERS = (
     "slot_evictions",
     "load_waits",
     "loads_deferred",
+    "load_failures",
     "load_bytes",
 )
 LORA_GAUGES = (
@@ -180,6 +181,7 @@ def _lora(
         **{f: sum(getattr(p, f) for p in parts) for f in LORA_GAUGES},
         registered=registered,
         residency=residency,
+        failed={k: why for p in parts for k, why in p.failed.items()},
     )
 
 

@@ -259,6 +259,11 @@ class FairQueue:
         if active:
             self._floor = min(active)
 
+    def charge_load(self, tenant: Tenant, cost: float) -> None:
+        """Adapter loads are service too: the pool's pages and the copy are the tenant's."""
+        self._seen(tenant)
+        self._counters[tenant] += cost / self._weight(tenant)
+
     def _weight(self, tenant: Tenant) -> float:
         return 1.0 if tenant is None else self._weights.get(tenant, 1.0)
 

@@ -66,7 +66,8 @@ class LoRAStats:
     slot_hits: int = 0  # steps that found their adapter resident and in its slot already
     slot_evictions: int = 0  # adapters evicted from the device pool to make room
     load_waits: int = 0  # steps that waited for an adapter copy (0 while the scheduler gates)
-    loads_deferred: int = 0  # loads put off: the pool was full of adapters in use or pinned
+    loads_deferred: int = 0  # waits for pool pages (full of adapters in use, pinned or fresh)
+    load_failures: int = 0  # loads that failed (the adapter's requests ended with the reason)
     load_bytes: int = 0  # bytes copied into the device pool
     loads_in_flight: int = 0  # background copies now
     pool_pages: int = 0  # pages of every module's pool (one page: a rank-row in every layer)
@@ -79,6 +80,9 @@ class LoRAStats:
     registered: int = 0  # every adapter the engine knows (the disk tier)
     # content hash -> tier, for every registered adapter (None: an engine that counts only)
     residency: Mapping[str, Tier] | None = None
+    # content hash -> why its load failed, for adapters failed now (until added again or
+    # retried); their requests end with that reason
+    failed: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,10 @@ class InprocEngineClient(StreamingClient):
             core = self._use_core()
             core.remove_lora(key)
 
+    async def retry_lora(self, key: str) -> bool:
+        async with self._lock:
+            return self._use_core().retry_lora(key)
+
     async def stats(self) -> EngineStats:
         async with self._lock:
             core = self._use_core()

@@ -51,6 +51,7 @@ from loraplex.engine.proc_main import (
     RemoveLoRA,
     Reply,
     RequestFailed,
+    RetryLoRA,
     SetTenantWeights,
     Shutdown,
     StartupFailed,
@@ -383,6 +384,9 @@ class ProcEngineClient(StreamingClient):
 
     async def _unload_lora(self, key: str) -> None:
         await self._call(RemoveLoRA(key))
+
+    async def retry_lora(self, key: str) -> bool:
+        return await self._call(RetryLoRA(key))
 
     async def stats(self) -> EngineStats:
         stats = await self._call(GetStats())

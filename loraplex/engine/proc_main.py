@@ -92,6 +92,13 @@ class RemoveLoRA(EngineCall[None]):
 
 
 @dataclass(frozen=True)
+class RetryLoRA(EngineCall[bool]):
+    """Forget an adapter's load failure: its next request loads it again."""
+
+    key: str
+
+
+@dataclass(frozen=True)
 class GetStats(EngineCall[EngineStats]):
     """``EngineCore.stats()``."""
 
@@ -165,6 +172,10 @@ def _remove_lora(core: EngineCore, call: RemoveLoRA) -> None:
     core.remove_lora(call.key)
 
 
+def _retry_lora(core: EngineCore, call: RetryLoRA) -> bool:
+    return core.retry_lora(call.key)
+
+
 def _get_stats(core: EngineCore, call: GetStats) -> EngineStats:
     return core.stats()
 
@@ -177,6 +188,7 @@ def _set_tenant_weights(core: EngineCore, call: SetTenantWeights) -> None:
 _HANDLERS: dict[type[EngineCall[Any]], Callable[[EngineCore, Any], Any]] = {
     AddLoRA: _add_lora,
     RemoveLoRA: _remove_lora,
+    RetryLoRA: _retry_lora,
     GetStats: _get_stats,
     SetTenantWeights: _set_tenant_weights,
 }

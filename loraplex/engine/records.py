@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from loraplex.lora.plan import AdapterPlan, LoadResult
 from loraplex.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -58,6 +59,9 @@ class SchedulerOutput:
     lora_slots: dict[int, str] = field(
         default_factory=dict
     )  # device slot -> adapter key, this step
+    # adapter residency's decisions for the runner to carry out (copies, slot rows); None
+    # without LoRA
+    lora_plan: AdapterPlan | None = None
     num_batched_tokens: int = 0
     # request id -> the tokens its sample may take this step (structured output), a packed
     # bitmask from ``token_bitmask``; requests not listed sample from the whole vocabulary
@@ -102,6 +106,8 @@ class RunnerOutput:
     sampled: dict[str, list[int]]  # request_id -> the step's new tokens (at least one)
     # request_id -> one entry per token of ``sampled``; only where params.logprobs
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # adapter copies that finished since the last step (ok or failed), for residency
+    lora_loads: list[LoadResult] = field(default_factory=list)
 
 
 @dataclass
@@ -116,5 +122,9 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds waiting to be scheduled; on the first output only
     # finish_reason "error": why the engine could not serve the request (its structured-output
-    # constraint failed to compile, or its matcher failed), a message for the client
+    # constraint failed to compile, or its matcher failed, or its adapter failed to load), a
+    # message for the client
     error: str | None = None
+    # what kind of error: "adapter_failed" (the request's adapter could not be loaded), or
+    # None (a constraint's)
+    error_code: str | None = None

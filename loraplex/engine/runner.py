@@ -49,6 +49,10 @@ from loraplex.kernels import host_memory
 logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB
+# An empty step (every waiting request waits for an adapter copy) waits this long for a copy to
+# finish before it returns: the engine loop then sleeps instead of spinning, and still sees new
+# requests within this time.
+IDLE_LOAD_WAIT_S = 0.02
 
 
 class Followers(Protocol):
@@ -182,7 +186,7 @@ class ModelRunner:
             self.kv_cache = torch.zeros((s.num_layers, *shape), dtype=s.dtype, device=self.device)
         self.model.bind_attention(self.attn, list(self.kv_cache.unbind(0)))
         self.num_blocks = num_blocks
-        if self.lora is not None and self.lora.pool is None:
+        if self.lora is not None and not self.lora.allocated:
             self.lora.allocate_pool(self.kv_cache.numel() * self.kv_cache.element_size())
         sched = self.scheduler_config
         self.graphs = build_decode_graphs(
@@ -275,10 +279,23 @@ class ModelRunner:
             raise
 
     def _execute(self, out: SchedulerOutput) -> RunnerOutput:
+        lora = self.lora
+        if lora is not None and out.lora_plan is not None:
+            lora.apply(out.lora_plan)  # residency's decisions: copies start, slot rows point
+        if out.is_empty:
+            # an idle step while copies run: wait a little for one instead of spinning
+            loads = lora.poll(IDLE_LOAD_WAIT_S) if lora is not None else []
+            if out.finished_request_ids:
+                self.sampler.forget(out.finished_request_ids)
+            return RunnerOutput(sampled={}, lora_loads=loads)
+        result = self._forward_and_sample(out)
+        if lora is not None:
+            result.lora_loads = lora.poll()
+        return result
+
+    def _forward_and_sample(self, out: SchedulerOutput) -> RunnerOutput:
         if out.finished_request_ids:
             self.sampler.forget(out.finished_request_ids)
-        if out.is_empty:
-            return RunnerOutput(sampled={})
         if self.kv_cache is None:
             raise RuntimeError("call init_kv_cache() before execute()")
         self.attn.copy_blocks(self.kv_cache, out.blocks_to_copy)
@@ -287,7 +304,6 @@ class ModelRunner:
         if self.lora is not None and out.lora_slots:
             # Rows grouped by adapter slot: the LoRA kernels then see contiguous segments.
             reqs = sorted(reqs, key=lambda r: r.lora_slot)
-            self.lora.activate(out.lora_slots)
         input_ids, positions, layout = self._layout(reqs)
         if self.followers is not None:  # the other ranks run this step's forward with us
             events = self.lora.take_events() if self.lora is not None else []

@@ -10,10 +10,15 @@ it goes back to the front of the waiting queue, to be recomputed later (its gene
 kept).
 
 With multi-LoRA, a step uses at most ``max_loras`` adapters (step slots, ``LoRASlots``), and a
-request is admitted only when its adapter is resident in the device pool (``AdapterResidency``:
-a miss starts a background load and the request waits, so no step stalls on a copy); which
-waiting adapter request may pass another that is not ready is the policy's rule (``FCFSQueue``:
-skipped, with a bound on how long a cold adapter waits).
+request is admitted only when its adapter is ``Ready`` in the device pool
+(``engine/adapter_residency.py``: a miss notes the demand, the load starts in the background
+once admission is done, and the request waits, so no step stalls on a copy); which waiting
+adapter request may pass another that is not ready is the policy's rule (``FCFSQueue``:
+skipped, with a bound on how long a cold adapter waits). The step's adapter plan (loads to
+start, slot rows to point) goes to the runner in ``SchedulerOutput.lora_plan``; finished copies
+come back in ``RunnerOutput.lora_loads``. A request whose adapter ``Failed`` ends alone with
+``finish_reason`` "error" and the reason (``error_code`` "adapter_failed"); the step goes on.
+Adapter loads are charged to the tenant that caused them (``WaitingQueue.charge_load``).
 
 Priority preemption (policies "priority" and "fair"): when the request the policy would admit
 next finds no seat (``max_num_seqs``) or no KV room, running requests the policy names
@@ -48,11 +53,12 @@ accepted and trims the rejected drafts' KV through ``rollback``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from loraplex.config import SchedulerConfig
+from loraplex.engine.adapter_residency import AdapterResidency, Failed, Ready, Tenant
 from loraplex.engine.admission import Service, check_tenant_weights
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.lora_slots import LoRASlots
@@ -103,14 +109,10 @@ class TokenConstraints(Protocol):
         ...
 
 
-class AdapterResidency(Protocol):
-    """The device adapter pool as the scheduler sees it (``lora/manager.py``)."""
-
-    def ensure_resident(self, key: str, in_use: Callable[[str], bool]) -> bool:
-        """Whether a request on adapter ``key`` may run now; when its adapter is not resident,
-        start loading it in the background and say no (the request waits, no step stalls).
-        Adapters for which ``in_use`` is true are never evicted to make room."""
-        ...
+# An adapter load is charged as this many bytes per token of service (fair policy): a cold
+# rank-64 q/v adapter of SmolLM2 (about 7 MB) costs about as much as a 50-token prompt.
+LOAD_BYTES_PER_TOKEN = 1 << 17
+ADAPTER_FAILED = "adapter_failed"
 
 
 class Scheduler:
@@ -140,6 +142,11 @@ class Scheduler:
         self.tenant_weights: dict[str, float] = {}
         self.constraints = constraints
         self.residency = residency
+        if residency is not None:
+            residency.on_load = self._charge_load
+        self._lora_tenant: dict[str, Tenant] = {}  # adapter key -> tenant of its last request
+        self._failed_keys: dict[str, str] = {}  # adapters found failed in this admission pass
+        self._errors: list[EngineCoreOutput] = []  # requests ended in schedule(), for update()
         self.stats = SchedulerStats()
 
     # ---- requests in and out ---------------------------------------------------------------
@@ -160,6 +167,8 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         self.check_request(req)
         self.requests[req.request_id] = req
+        if req.lora_key is not None:
+            self._lora_tenant[req.lora_key] = req.tenant
         if req.queued_time is None:  # set already when it waited for its grammar
             req.queued_time = time.monotonic()
         leader = self.requests.get(req.parent_id) if req.parent_id else None
@@ -186,7 +195,7 @@ class Scheduler:
         return aborted
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self._errors)
 
     @property
     def num_running(self) -> int:
@@ -206,6 +215,8 @@ class Scheduler:
         checked = check_tenant_weights(weights)
         self.tenant_weights = checked
         self.waiting.set_tenant_weights(dict(checked))
+        if self.residency is not None:
+            self.residency.set_tenant_weights(checked)
 
     def rollback(self, request_id: str, num_tokens: int) -> None:
         """Forget the request's tokens from position ``num_tokens`` on, and their KV: rejected
@@ -236,13 +247,16 @@ class Scheduler:
         forks = self._schedule_forks(scheduled)
         self.stats.num_steps += 1
         finished, self._finished_ids = self._finished_ids, []
+        lora_slots = self.slots.in_use()
+        plan = None if self.residency is None else self.residency.plan_step(lora_slots)
         return SchedulerOutput(
             requests=scheduled,
             forks=forks,
             blocks_to_copy=self.kv.take_copies(),
             finished_request_ids=finished,
-            lora_slots=self.slots.in_use(),
+            lora_slots=lora_slots,
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            lora_plan=plan,
         )
 
     def _schedule_running(self, scheduled: list[ScheduledRequest], budget: int) -> tuple[int, bool]:
@@ -315,13 +329,42 @@ class Scheduler:
                 budget -= num_new
         finally:
             waiting.end_admission()
+        if self._failed_keys:
+            self._fail_adapter_requests()
         return budget
 
     def _lora_ready(self, key: str) -> bool:
-        """A request on adapter ``key`` may be admitted: a slot for it and its weights resident."""
-        if not self.slots.can_acquire(key):
-            return False
-        return self.residency is None or self.residency.ensure_resident(key, self.slots.holds)
+        """A request on adapter ``key`` may be admitted: its weights ready in the pool and a
+        slot for it. Asking notes the demand (residency loads it after admission)."""
+        if self.residency is not None:
+            state = self.residency.status(key, self._lora_tenant.get(key))
+            if isinstance(state, Failed):
+                self._failed_keys[key] = state.reason
+                return False
+            if not isinstance(state, Ready):
+                return False
+        return self.slots.can_acquire(key)
+
+    def _fail_adapter_requests(self) -> None:
+        """End every waiting request on an adapter that failed, with its reason."""
+        failed, self._failed_keys = self._failed_keys, {}
+        for req in [r for r in self.waiting if r.lora_key in failed]:
+            assert req.lora_key is not None
+            self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+            self._errors.append(
+                EngineCoreOutput(
+                    request_id=req.request_id,
+                    new_token_ids=[],
+                    finish_reason=RequestStatus.FINISHED_ERROR.value,
+                    queue_time=req.queue_time,
+                    error=failed[req.lora_key],
+                    error_code=ADAPTER_FAILED,
+                )
+            )
+
+    def _charge_load(self, tenant: Tenant, nbytes: int) -> None:
+        self.waiting.charge_load(tenant, nbytes / LOAD_BYTES_PER_TOKEN)
 
     def _mark_victims(self, req: Request, hits: list[int], blocks: int = 0) -> None:
         """``req`` found no seat (``blocks`` 0) or lacks ``blocks`` KV blocks: mark the policy's
@@ -433,7 +476,10 @@ class Scheduler:
     # ---- results ---------------------------------------------------------------------------
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._errors = self._errors, []
+        if self.residency is not None:
+            for load in result.lora_loads:
+                self.residency.loaded(load)
         served: list[Service] = []
         done: set[str] = set()
         for s in out.requests:

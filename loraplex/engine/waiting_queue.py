@@ -100,6 +100,11 @@ class WaitingQueue(Protocol):
         requests still running after it."""
         ...
 
+    def charge_load(self, tenant: str | None, cost: float) -> None:
+        """An adapter load ``tenant``'s request caused, priced in tokens of service (the
+        scheduler's ``LOAD_BYTES_PER_TOKEN``): a policy that counts service counts it."""
+        ...
+
     def set_tenant_weights(self, weights: Mapping[str, float]) -> None:
         """Tenant id -> weight (checked: finite, above 0) for the service charged from now on;
         a tenant not named weighs 1.0."""
@@ -196,6 +201,9 @@ class FCFSQueue:
     # ---- service and weights (this policy keeps no counters) -------------------------------
 
     def charge(self, served: Sequence[Service], running: Sequence[Request]) -> None:
+        pass
+
+    def charge_load(self, tenant: str | None, cost: float) -> None:
         pass
 
     def set_tenant_weights(self, weights: Mapping[str, float]) -> None:

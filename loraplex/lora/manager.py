@@ -1,17 +1,14 @@
-"""The adapter cache: disk -> host (LRU, pinnable) -> the device page pool.
+"""The adapter store of the runner: LoRA layers, the device page pool's tensors, parsed adapters
+in host memory, and the copies residency orders.
 
-* disk: every added adapter's source path, so an adapter evicted from host memory can come back;
-* host: up to ``max_cpu_loras`` parsed adapters (``LoRAAdapter``), least recently used evicted
-  first, pinned ones never;
-* device: one page pool per target module (``loraplex.lora.pool``), sized by ``lora_memory``;
-  each resident adapter holds exactly its rank's pages. A step's adapters are named by slot
-  (``LoRASlots``, at most ``max_loras`` a step); ``activate`` points each slot's page-index row
-  at its adapter's pages, which copies nothing.
-
-Loads are asynchronous: the scheduler asks ``ensure_resident`` before admitting a request; a
-miss reserves pages (evicting least recently used adapters with no running request, never a
-pinned one) and a background thread copies the weights (on CUDA from pinned host memory on a
-copy stream), so no step waits on a copy. ``stats.load_waits`` counts the steps that did.
+It decides nothing: ``engine/adapter_residency.py`` (torch-free, owned by the scheduler) says
+which adapter goes into which pages and which host copies to drop (``AdapterPlan`` in
+``SchedulerOutput``); this store carries the plan out. A copy runs on a background thread (on
+CUDA from pinned host memory on a copy stream), so no step waits on one; its outcome comes back
+as a ``LoadResult`` (``poll``) for residency, with the error as a sentence when it failed (file
+missing, changed, corrupt, NaN weights, an exception in the copy): the step never raises for an
+adapter's fault. Pointing a slot at its adapter's pages (``apply``) writes one page-index row
+and copies no weight.
 
 Adapters are identified by their content hash everywhere in the engine.
 """
@@ -19,12 +16,12 @@ Adapters are identified by their content hash everywhere in the engine.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
-from collections.abc import Callable
+import re
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -35,8 +32,8 @@ from loraplex.kernels.meta import LoRAKernelMeta
 from loraplex.lora.adapter import BaseModelInfo, LoRAAdapter, load_adapter
 from loraplex.lora.errors import AdapterError
 from loraplex.lora.layers import LoRALinear, LoRAStep
-from loraplex.lora.pool import AdapterPool, PoolFullError, Residency
-from loraplex.lora.replica import ClearSlot, FillPages, ForgetAdapter, PoolEvent, SetSlot
+from loraplex.lora.plan import AdapterPlan, LoadOrder, LoadResult, SlotBinding
+from loraplex.lora.replica import FillPages, ForgetAdapter, PoolEvent, SetSlot
 
 logger = logging.getLogger(__name__)
 
@@ -44,15 +41,18 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 @dataclass
-class LoRAStats:
-    disk_loads: int = 0  # adapters parsed from disk (added, or reloaded after host eviction)
-    host_hits: int = 0  # device loads served from host memory
-    host_evictions: int = 0
-    slot_loads: int = 0  # adapters copied into the device pool
-    slot_hits: int = 0  # steps that found their adapter resident and in its slot already
-    load_waits: int = 0  # steps that had to wait for an adapter copy (the scheduler avoids it)
-    load_bytes: int = 0  # bytes copied into the pool
-    # Evictions and deferred loads are the pool's to count (``pool.counters``).
+class StoreStats:
+    adds: int = 0  # adapters parsed and validated when added
+    slot_hits: int = 0  # slots in use by a step that already pointed at their adapter
+
+
+@dataclass(frozen=True)
+class Registered:
+    """What residency needs of an added adapter."""
+
+    key: str  # content hash
+    ranks: dict[str, int]  # module -> rank (largest over layers)
+    nbytes: int  # its weights at the pool's dtype
 
 
 class LoRAModel(Protocol):
@@ -112,27 +112,23 @@ class LoRAManager:
         self.target_modules = tuple(m for names in targets.values() for m in names)
         self._module_index = {m: k for k, m in enumerate(self.target_modules)}
         self.num_layers = len(model.model.layers)
-        self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        self._host: dict[str, LoRAAdapter] = {}  # parsed copies residency keeps in host memory
         self._sources: dict[str, Path] = {}
-        self._names: dict[str, str] = {}  # key -> name (for logs and stats)
-        self._ranks: dict[str, dict[str, int]] = {}  # key -> module -> rank (largest over layers)
-        self._sizes: dict[str, int] = {}  # key -> its weights' bytes at the pool's dtype
-        self._pinned: set[str] = set()
-        self.stats = LoRAStats()
+        self._names: dict[str, str] = {}  # key -> name (for messages)
+        self.stats = StoreStats()
         self.geometry: PoolGeometry | None = None
-        self.pool: AdapterPool | None = None
         self._pages: torch.Tensor | None = None  # [M, max_loras, max_rank] int32
         self._slot_ranks: torch.Tensor | None = None  # [M, max_loras] int32
         self._slot_state: list[tuple[str, int] | None] = [None] * config.max_loras
-        self._loads: dict[str, Future[LoRAAdapter | None]] = {}
-        self._failed: dict[str, BaseException] = {}
+        self._loads: dict[str, tuple[int, Future[LoRAAdapter | None]]] = {}  # key -> (gen, copy)
+        self._done = threading.Condition()  # notified when a copy finishes
         self._executor: ThreadPoolExecutor | None = None
         self._copy_stream: Any = None
         model_dtype = self.layers[0][1].base.weight.dtype
         self.dtype: torch.dtype = (
             model_dtype if config.lora_dtype == "auto" else _DTYPES[config.lora_dtype]
         )  # the pool's storage type
-        # Tensor parallelism, rank 0: every pool decision, for the other ranks to replay
+        # Tensor parallelism, rank 0: every pool change, for the other ranks to replay
         # (``lora/replica.py``); None: not recorded.
         self.events: list[PoolEvent] | None = None
         self._replica_failed: dict[str, str] = {}  # other ranks: adapters whose fill failed
@@ -178,7 +174,7 @@ class LoRAManager:
 
     def allocate_pool(self, kv_cache_bytes: int | None = None) -> PoolGeometry:
         """Allocate the pool (zeroed) and bind every LoRA layer to it. Called once."""
-        if self.pool is not None:
+        if self.geometry is not None:
             raise RuntimeError("the adapter pool is already allocated")
         geo = self.plan_pool(kv_cache_bytes)
         P, M, cfg = geo.pages_per_module, len(self.target_modules), self.config
@@ -206,54 +202,51 @@ class LoRAManager:
                 )
             )
         self.geometry = geo
-        self.pool = AdapterPool(
-            {m: P for m in self.target_modules}, pinned=self._pinned, on_evict=self._on_evict
-        )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="lora-load")
         if self.device.type == "cuda":
             self._copy_stream = torch.cuda.Stream(device=self.device)
         logger.info("adapter pool: %d pages per module, %.1f MiB", P, geo.bytes_total / 2**20)
         return geo
 
-    def _require_pool(self) -> AdapterPool:
-        if self.pool is None:
-            self.allocate_pool()
-        assert self.pool is not None
-        return self.pool
+    @property
+    def allocated(self) -> bool:
+        return self.geometry is not None
 
-    # ---- registry --------------------------------------------------------------------------
+    def pages_per_module(self) -> dict[str, int]:
+        """Each target module's pool size in pages (allocating the pool if it is not yet)."""
+        geo = self.geometry or self.allocate_pool()
+        return dict.fromkeys(self.target_modules, geo.pages_per_module)
 
-    def add_adapter(self, source: str | Path, name: str, pinned: bool = False) -> LoRAAdapter:
-        """Load and validate an adapter (``AdapterError`` if it is bad) and keep it in host memory.
-        A pinned adapter is loaded into the device pool at once and never evicted from it."""
+    # ---- adding and removing ---------------------------------------------------------------
+
+    def add_adapter(self, source: str | Path, name: str) -> tuple[LoRAAdapter, Registered]:
+        """Parse and validate an adapter (``AdapterError`` if it is bad) and keep it in host
+        memory; residency decides from then on where it lives."""
         adapter = load_adapter(
             source, self.base_info, max_rank=self.config.max_lora_rank, name=name
         )
         key = adapter.content_hash
         ranks = self._module_ranks(adapter)
-        pool = self._require_pool()
-        try:
-            pool.check_fits(ranks)
-        except PoolFullError as exc:
-            raise AdapterError(
-                "pool_too_small",
-                f"adapter {name!r} does not fit the device adapter pool: {exc}; raise "
-                "--lora-memory",
-            ) from exc
+        per_module = self.pages_per_module()
+        for module, r in ranks.items():
+            if r > per_module.get(module, 0):
+                raise AdapterError(
+                    "pool_too_small",
+                    f"adapter {name!r} does not fit the device adapter pool: rank {r} in "
+                    f"{module} needs {r} pages; the pool has {per_module.get(module, 0)} per "
+                    "module; raise --lora-memory",
+                )
         if self.dtype == torch.float16:
             self._check_half_range(adapter)
-        self.stats.disk_loads += 1
+        self.stats.adds += 1
         self._sources[key] = Path(source)
         self._names[key] = name
-        self._ranks[key] = ranks
+        self._host[key] = adapter
         esize = self.dtype.itemsize
-        self._sizes[key] = sum(
+        nbytes = sum(
             (a.shape[0] * (a.shape[1] + b.shape[0])) * esize for a, b in adapter.weights.values()
         )
-        self._put_host(key, adapter)
-        if pinned:
-            self.pin(key)
-        return adapter
+        return adapter, Registered(key, ranks, nbytes)
 
     def _check_half_range(self, adapter: LoRAAdapter) -> None:
         """A float16 pool cannot hold values beyond +-65504 (B with its scaling folded in)."""
@@ -276,174 +269,121 @@ class LoRAManager:
             ranks[module] = max(ranks.get(module, 0), int(a.shape[0]))
         return ranks
 
-    def remove_adapter(self, key: str) -> None:
-        """Forget ``key`` (the caller made sure no request uses it)."""
-        self._wait_load(key)
-        self._host.pop(key, None)
-        self._sources.pop(key, None)
-        self._names.pop(key, None)
-        self._ranks.pop(key, None)
-        self._sizes.pop(key, None)
-        self._failed.pop(key, None)
-        self._pinned.discard(key)
-        if self.pool is not None:
-            self.pool.evict(key, count=False)
-        self._record(ForgetAdapter(key))
-
     def has_adapter(self, key: str) -> bool:
         return key in self._sources
 
-    def pin(self, key: str, pinned: bool = True) -> None:
-        """Keep ``key`` in the device pool (loaded now) or let it be evicted again."""
-        if not pinned:
-            self._pinned.discard(key)
-            return
-        self._pinned.add(key)
-        if key in self._sources and not self._require_pool().is_ready(key):
-            self._load_now(key, count_wait=False)
+    def forget(self, key: str) -> None:
+        """Drop ``key``'s source and host copy (a copy in flight finishes; its result is
+        reported and residency ignores it)."""
+        self._host.pop(key, None)
+        self._sources.pop(key, None)
+        self._names.pop(key, None)
+        self._record(ForgetAdapter(key))
 
-    def _put_host(self, key: str, adapter: LoRAAdapter) -> None:
-        self._host[key] = adapter
-        self._host.move_to_end(key)
-        while len(self._host) > self.config.max_cpu_loras:
-            victim = next((k for k in self._host if k not in self._pinned), None)
-            if victim is None:
-                break  # everything pinned: exceed the limit rather than drop a pinned adapter
-            del self._host[victim]
-            self.stats.host_evictions += 1
+    def host_keys(self) -> list[str]:
+        return list(self._host)
+
+    # ---- carrying out residency's plan -----------------------------------------------------
+
+    def apply(self, plan: AdapterPlan) -> None:
+        """Drop host copies, start the ordered copies, point the step's slots at their pages."""
+        for key in plan.drop_host:
+            self._host.pop(key, None)
+        for key in plan.forget:
+            if key not in self._sources:
+                self._host.pop(key, None)
+        for order in plan.loads:
+            self.start_load(order)
+        for slot, binding in plan.slots.items():
+            if self._slot_state[slot] == (binding.key, binding.generation):
+                self.stats.slot_hits += 1
+                continue
+            self._write_slot(slot, binding)
+
+    def start_load(self, order: LoadOrder) -> None:
+        """Copy ``order.key`` into its pages on the loader thread (``poll`` reports it)."""
+        if self._executor is None:
+            raise RuntimeError("allocate the adapter pool before loading adapters")
+        self._record(FillPages(order.key, order.pages))
+        adapter = self._host.get(order.key)
+        future = self._executor.submit(self._load_job, order, adapter)
+        future.add_done_callback(self._notify)
+        self._loads[order.key] = (order.generation, future)
+
+    def load_now(self, order: LoadOrder) -> LoadResult:
+        """The same copy, on this thread (a pinned adapter, loaded when it is added)."""
+        self.start_load(order)
+        _, future = self._loads.pop(order.key)
+        future.exception()  # wait
+        return self._result(order.key, order.generation, future)
+
+    def _notify(self, _: object) -> None:
+        with self._done:
+            self._done.notify_all()
+
+    @property
+    def loads_in_flight(self) -> int:
+        return len(self._loads)
+
+    def poll(self, timeout: float = 0.0) -> list[LoadResult]:
+        """The copies finished since the last call; with ``timeout``, wait up to that long for
+        one when copies are in flight and none has finished (an idle step: never a spin)."""
+        if timeout > 0 and self._loads and not any(f.done() for _, f in self._loads.values()):
+            with self._done:
+                self._done.wait_for(
+                    lambda: any(f.done() for _, f in list(self._loads.values())), timeout
+                )
+        results: list[LoadResult] = []
+        for key in [k for k, (_, f) in self._loads.items() if f.done()]:
+            generation, future = self._loads.pop(key)
+            results.append(self._result(key, generation, future))
+        return results
+
+    def _result(self, key: str, generation: int, future: Future[LoRAAdapter | None]) -> LoadResult:
+        exc = future.exception()
+        if exc is not None:
+            logger.warning("loading adapter %s failed: %s", self._names.get(key, key[:12]), exc)
+            return LoadResult(key, generation, error=_cause(exc))
+        parsed = future.result()
+        if parsed is not None and key in self._sources:  # parsed from disk: keep it in host
+            self._host[key] = parsed
+        return LoadResult(key, generation, from_disk=parsed is not None)
 
     def _read_disk(self, key: str) -> LoRAAdapter:
         """Parse ``key`` from its source again (safe off the engine thread: no shared state)."""
         source = self._sources.get(key)
+        name = self._names.get(key, key[:12])
         if source is None:
             raise KeyError(f"adapter {key[:12]} is not registered with the engine")
         adapter = load_adapter(
-            source, self.base_info, max_rank=self.config.max_lora_rank, name=self._names[key]
+            source, self.base_info, max_rank=self.config.max_lora_rank, name=name
         )
         if adapter.content_hash != key:
-            raise ValueError(
-                f"adapter {self._names[key]!r} changed on disk at {source} since it was added; "
-                "add it again to serve the new weights"
+            raise AdapterChanged(
+                f"its files changed on disk since it was added (content hash "
+                f"{adapter.content_hash[:12]}, expected {key[:12]})"
             )
         return adapter
 
-    # ---- residency -------------------------------------------------------------------------
-
-    def tier_of(self, key: str) -> Literal["device", "host", "disk", "none"]:
-        if self.pool is not None and self.pool.is_ready(key):
-            return "device"
-        if key in self._host:
-            return "host"
-        return "disk" if key in self._sources else "none"
-
-    def tiers(self) -> dict[str, Literal["device", "host", "disk"]]:
-        """Every adapter registered with the engine: content hash -> device | host | disk."""
-        out: dict[str, Literal["device", "host", "disk"]] = {}
-        for key in self._sources:
-            tier = self.tier_of(key)
-            if tier != "none":
-                out[key] = tier
-        return out
-
-    def residency(self) -> dict[str, int]:
-        ready = 0 if self.pool is None else sum(map(self.pool.is_ready, self.pool.resident()))
-        return {"device": ready, "host": len(self._host), "disk": len(self._sources)}
-
-    def pool_usage(self) -> dict[str, int]:
-        """Pages and bytes of the device pool, and the real size of what it holds."""
-        if self.pool is None or self.geometry is None:
-            return dict.fromkeys(
-                ("pages", "pages_used", "bytes", "bytes_used", "adapter_bytes", "loading"), 0
-            )
-        geo, pool = self.geometry, self.pool
-        used = pool.pages_used_by_module()
-        return {
-            "pages": pool.pages_total(),
-            "pages_used": sum(used.values()),
-            "bytes": geo.bytes_total,
-            "bytes_used": sum(n * geo.page_bytes[m] for m, n in used.items()),
-            "adapter_bytes": sum(self._sizes.get(k, 0) for k in pool.resident()),
-            "loading": len(self._loads),
-        }
-
-    def ensure_resident(self, key: str, in_use: Callable[[str], bool]) -> bool:
-        """Whether a request on ``key`` may run now; if its adapter is not in the device pool,
-        start loading it (asynchronously) and say no. ``in_use(k)``: whether adapter ``k`` has
-        running requests (those are never evicted)."""
-        pool = self._require_pool()
-        self.poll()
-        if pool.is_ready(key):
-            pool.touch(key)
-            return True
-        if key in self._loads:
-            return False
-        if key in self._failed or key not in self._sources:
-            return True  # activate() raises the error for the step, as a synchronous load would
-        res = pool.reserve(key, self._ranks[key], in_use)
-        if res is None:  # counted by the pool as deferred
-            return False
-        self._record(FillPages(key, res.pages))
-        adapter = self._host.get(key)
-        if adapter is not None:
-            self._host.move_to_end(key)
-            self.stats.host_hits += 1
-        assert self._executor is not None
-        self._loads[key] = self._executor.submit(self._load_job, key, adapter, res)
-        return False
-
-    def poll(self) -> None:
-        """Finish the loads whose copies are done (on the engine thread)."""
-        for key in [k for k, f in self._loads.items() if f.done()]:
-            self._finish(key, self._loads.pop(key))
-
-    def _finish(self, key: str, future: Future[LoRAAdapter | None]) -> None:
-        pool = self.pool
-        assert pool is not None
-        exc = future.exception()
-        if exc is not None or key not in self._sources:  # failed, or removed meanwhile
-            pool.evict(key, count=False)
-            if exc is not None:
-                logger.warning("loading adapter %s failed: %s", self._names.get(key, key), exc)
-                self._failed[key] = exc
-            return
-        parsed = future.result()
-        if parsed is not None:  # it came from disk
-            self.stats.disk_loads += 1
-            self._put_host(key, parsed)
-        pool.mark_ready(key)
-        self.stats.slot_loads += 1
-        res = pool.get(key)
-        assert res is not None and self.geometry is not None
-        self.stats.load_bytes += sum(
-            len(p) * self.geometry.page_bytes[m] for m, p in res.pages.items()
-        )
-
-    def _wait_load(self, key: str) -> None:
-        future = self._loads.pop(key, None)
-        if future is not None:
-            future.exception()  # wait
-            self._finish(key, future)
-
-    def _load_job(
-        self, key: str, adapter: LoRAAdapter | None, res: Residency
-    ) -> LoRAAdapter | None:
-        """Copy ``key``'s weights into its reserved pages (the loader thread). Returns the adapter
-        when it had to be parsed from disk, for the engine thread to cache."""
+    def _load_job(self, order: LoadOrder, adapter: LoRAAdapter | None) -> LoRAAdapter | None:
+        """Copy the adapter into its pages (the loader thread). Returns the adapter when it had
+        to be parsed from disk, for the engine thread to keep in host memory."""
         parsed = None
         if adapter is None:
-            adapter = parsed = self._read_disk(key)
+            adapter = parsed = self._read_disk(order.key)
+        _check_finite(adapter)
         if self._copy_stream is not None:
             with torch.cuda.stream(self._copy_stream):
-                self._fill(adapter, res, pin=True)
+                self._fill(adapter, order.pages, pin=True)
             self._copy_stream.synchronize()
         else:
-            self._fill(adapter, res, pin=False)
+            self._fill(adapter, order.pages, pin=False)
         return parsed
 
-    def _fill(self, adapter: LoRAAdapter, res: Residency, pin: bool) -> None:
+    def _fill(self, adapter: LoRAAdapter, pages: dict[str, list[int]], pin: bool) -> None:
         rows = {
             m: torch.tensor(p, dtype=torch.int64).to(self.device, non_blocking=pin)
-            for m, p in res.pages.items()
+            for m, p in pages.items()
         }  # module -> [r] pool rows
         for i, layer in self.layers:
             for j, module in enumerate(layer.module_names):
@@ -461,82 +401,22 @@ class LoRAManager:
                     a, b = layer.base.shard_lora(module, a, b)  # this rank's share
                 layer.write_rows(j, rows[module], a, b, scaling)
 
-    def _load_now(
-        self, key: str, busy: set[str] | None = None, count_wait: bool = True
-    ) -> Residency:
-        """Make ``key`` resident before returning (a step that must wait for it, or a pin);
-        adapters in ``busy`` or in a slot are not evicted for it."""
-        pool = self._require_pool()
-        if count_wait:
-            self.stats.load_waits += 1
-        self._wait_load(key)
-        if key in self._failed:
-            raise self._failed.pop(key)
-        if not pool.is_ready(key):
-            if key not in self._sources:
-                raise KeyError(f"adapter {key[:12]} is not registered with the engine")
-            keep = set(self._slot_keys()) | (busy or set())
-            res = pool.reserve(key, self._ranks[key], keep.__contains__)
-            if res is None:
-                raise RuntimeError(
-                    f"the adapter pool has no room for {self._names[key]!r}: every resident "
-                    "adapter is in use or pinned; raise --lora-memory or lower --max-loras"
-                )
-            self._record(FillPages(key, res.pages))
-            adapter = self._host.get(key)
-            self._finish(key, _done(self._load_job(key, adapter, res)))
-        res = pool.get(key)
-        assert res is not None
-        return res
-
-    def _slot_keys(self) -> list[str]:
-        return [s[0] for s in self._slot_state if s is not None]
-
-    def _on_evict(self, key: str) -> None:
-        """``key`` left the pool: no slot may point at its pages any more."""
-        for slot, state in enumerate(self._slot_state):
-            if state is not None and state[0] == key:
-                self._clear_slot(slot)
-
-    def _clear_slot(self, slot: int) -> None:
-        assert self._slot_ranks is not None
-        self._record(ClearSlot(slot))
-        self._slot_ranks[:, slot] = 0
-        self._slot_state[slot] = None
-        for _, layer in self.layers:
-            if layer.weights is not None:
-                layer.weights.invalidate(slot)
-
-    def activate(self, lora_slots: dict[int, str]) -> None:
-        """Point each slot's page-index row at its adapter's pages for this step."""
-        pool = self._require_pool()
-        self.poll()
-        for slot, key in lora_slots.items():
-            res = pool.get(key)
-            if res is None or res.state != "ready":
-                res = self._load_now(key, set(lora_slots.values()))
-            pool.touch(key)
-            if self._slot_state[slot] == (key, res.generation):
-                self.stats.slot_hits += 1
-                continue
-            self._write_slot(slot, res)
-
-    def _write_slot(self, slot: int, res: Residency) -> None:
+    def _write_slot(self, slot: int, binding: SlotBinding) -> None:
         assert self._pages is not None and self._slot_ranks is not None
         M, R = self._pages.shape[0], self._pages.shape[2]
         pages = torch.zeros(M, R, dtype=torch.int32)  # [M, max_rank]
         ranks = torch.zeros(M, dtype=torch.int32)  # [M]
-        for module, rows in res.pages.items():
+        for module, rows in binding.pages.items():
             k = self._module_index[module]
             pages[k, : len(rows)] = torch.tensor(rows, dtype=torch.int32)
             ranks[k] = len(rows)
         self._pages[:, slot].copy_(pages)
         self._slot_ranks[:, slot].copy_(ranks)
-        self._slot_state[slot] = (res.key, res.generation)
+        self._slot_state[slot] = (binding.key, binding.generation)
         for _, layer in self.layers:
             assert layer.weights is not None
             layer.weights.invalidate(slot)
-        self._record(SetSlot(slot, res.key, res.generation, res.pages))
+        self._record(SetSlot(slot, binding.key, binding.generation, binding.pages))
 
     # ---- tensor parallelism: rank 0 records, the other ranks replay --------------------------
 
@@ -545,27 +425,26 @@ class LoRAManager:
             self.events.append(event)
 
     def take_events(self) -> list[PoolEvent]:
-        """The decisions recorded since the last call (rank 0), oldest first."""
+        """The changes recorded since the last call (rank 0), oldest first."""
         if self.events is None:
             return []
         events, self.events = self.events, []
         return events
 
     def replay(self, event: PoolEvent) -> None:
-        """Apply one of rank 0's decisions to this rank's pool (its share of each adapter, read
+        """Apply one of rank 0's changes to this rank's pool (its share of each adapter, read
         from this rank's host cache or from disk). A fill that fails here is fatal only when a
         slot later points at it: rank 0 failed it too, unless the file changed between reads."""
-        self._require_pool()
         if isinstance(event, FillPages):
-            res = Residency(event.key, {m: list(p) for m, p in event.pages.items()})
+            order = LoadOrder(event.key, 0, {m: list(p) for m, p in event.pages.items()})
             try:
-                parsed = self._load_job(event.key, self._host.get(event.key), res)
+                parsed = self._load_job(order, self._host.get(event.key))
             except Exception as exc:
                 self._replica_failed[event.key] = f"{type(exc).__name__}: {exc}"
                 return
             self._replica_failed.pop(event.key, None)
             if parsed is not None:
-                self._put_host(event.key, parsed)
+                self._host[event.key] = parsed
         elif isinstance(event, SetSlot):
             why = self._replica_failed.get(event.key)
             if why is not None:
@@ -574,12 +453,10 @@ class LoRAManager:
                     f"loaded on this tensor-parallel rank ({why}) but rank 0 uses it"
                 )
             self._write_slot(
-                event.slot, Residency(event.key, dict(event.pages), "ready", event.generation)
+                event.slot, SlotBinding(event.slot, event.key, event.generation, event.pages)
             )
-        elif isinstance(event, ClearSlot):
-            self._clear_slot(event.slot)
-        else:
-            self.remove_adapter(event.key)
+        elif isinstance(event, ForgetAdapter):
+            self.forget(event.key)
 
     def close(self) -> None:
         if self._executor is not None:
@@ -587,7 +464,36 @@ class LoRAManager:
             self._executor = None
 
 
-def _done(value: LoRAAdapter | None) -> Future[LoRAAdapter | None]:
-    future: Future[LoRAAdapter | None] = Future()
-    future.set_result(value)
-    return future
+class AdapterChanged(ValueError):
+    """An adapter's files no longer hold the content it was added with."""
+
+
+def _check_finite(adapter: LoRAAdapter) -> None:
+    for (layer, module), (a, b) in adapter.weights.items():
+        if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+            raise AdapterError(
+                "nan_weights",
+                f"its weights hold NaN or Inf values (layer {layer} {module})",
+            )
+
+
+def _cause(exc: BaseException) -> str:
+    """A load failure as a sentence for the client: the cause, no paths or internals."""
+    if isinstance(exc, AdapterChanged):
+        return str(exc)
+    if isinstance(exc, AdapterError):
+        return f"{exc.code}: {_no_paths(str(exc))}"
+    if isinstance(exc, FileNotFoundError | NotADirectoryError):
+        return "its files are missing from the server's storage"
+    if isinstance(exc, PermissionError):
+        return "its files cannot be read on the server"
+    if isinstance(exc, MemoryError):
+        return "the server ran out of memory while loading it"
+    if isinstance(exc, OSError):
+        return f"its files could not be read on the server ({type(exc).__name__})"
+    return f"the copy into the adapter pool failed ({type(exc).__name__})"
+
+
+def _no_paths(message: str) -> str:
+    """Drop absolute filesystem paths from a message meant for a client."""
+    return re.sub(r"(/[^\s'\"]+)+", "<path>", message)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -126,19 +126,25 @@ class AdapterPool:
             self._resident.move_to_end(key)
 
     def reserve(
-        self, key: str, ranks: Mapping[str, int], in_use: Callable[[str], bool]
+        self,
+        key: str,
+        ranks: Mapping[str, int],
+        in_use: Callable[[str], bool],
+        order: Sequence[str] | None = None,
     ) -> Residency | None:
-        """Take pages for ``key`` (state ``loading``), evicting least recently used ready
-        adapters that are neither in use nor pinned. None (nothing evicted) when even that would
-        not make room; raises ``PoolFullError`` when the adapter can never fit."""
+        """Take pages for ``key`` (state ``loading``), evicting ready adapters that are neither
+        in use nor pinned, in ``order`` (default: least recently used first). None (nothing
+        evicted) when even that would not make room; raises ``PoolFullError`` when the adapter
+        can never fit."""
         if key in self._resident:
             raise ValueError(f"adapter {key[:12]} is already resident")
         self.check_fits(ranks)
         short = {m: r - self._pools[m].num_free for m, r in ranks.items()}
         victims: list[str] = []
         if any(n > 0 for n in short.values()):
-            for other, res in self._resident.items():
-                if res.state != "ready" or other in self.pinned or in_use(other):
+            for other in self._resident if order is None else order:
+                res = self._resident.get(other)
+                if res is None or res.state != "ready" or other in self.pinned or in_use(other):
                     continue
                 victims.append(other)
                 for m in short:

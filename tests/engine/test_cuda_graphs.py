@@ -29,6 +29,7 @@ from loraplex.engine.runner import ModelRunner
 from loraplex.kernels.kv_write import PAD_SLOT
 from loraplex.kernels.meta import LoRAKernelMeta
 from loraplex.sampling_params import SamplingParams
+from tests.utils.lora_plan import Planner
 from tests.utils.models import make_adapter, make_tiny_model
 
 triton = pytest.importorskip("triton")
@@ -228,17 +229,17 @@ def test_a_replay_after_the_adapters_changed_uses_the_new_ones(
     eager, graphed = make_runner(model_dir, lora=lora_cfg), make_runner(model_dir, lora=lora_cfg)
     calls = with_graphs(graphed)
     keys = []
+    planners = {id(r): Planner(r) for r in (eager, graphed)}
     for runner in (eager, graphed):
-        assert runner.lora is not None
-        keys = [runner.lora.add_adapter(p, f"a{i}").content_hash for i, p in enumerate(paths)]
+        keys = [planners[id(runner)].add(p, f"a{i}") for i, p in enumerate(paths)]
     a, b = keys
     seqs_e, seqs_g = make_seqs(3), make_seqs(3)
 
     def both(slots: list[int], lora_slots: dict[int, str]) -> tuple[RunnerOutput, RunnerOutput]:
         for s_e, s_g, slot in zip(seqs_e, seqs_g, slots, strict=True):
             s_e.slot = s_g.slot = slot
-        res_e = eager.execute(step_of(seqs_e, lora_slots))
-        res_g = graphed.execute(step_of(seqs_g, lora_slots))
+        res_e = eager.execute(planners[id(eager)].plan(step_of(seqs_e, lora_slots)))
+        res_g = graphed.execute(planners[id(graphed)].plan(step_of(seqs_g, lora_slots)))
         assert_same(res_g, res_e)
         advance(seqs_e, res_e)
         advance(seqs_g, res_g)
@@ -261,7 +262,8 @@ def test_a_replay_after_the_adapters_changed_uses_the_new_ones(
     outs = []
     for slot, lora_slots in ((-1, {}), (0, {0: a}), (0, {0: b})):
         probe[0].slot = slot
-        outs.append(top_logprobs(graphed.execute(step_of(probe, lora_slots))))
+        step = planners[id(graphed)].plan(step_of(probe, lora_slots))
+        outs.append(top_logprobs(graphed.execute(step)))
     assert outs[0] != outs[1] != outs[2] != outs[0]
 
 

@@ -12,11 +12,13 @@ import time
 import pytest
 
 from loraplex.config import SchedulerConfig
+from loraplex.engine.adapter_residency import AdapterResidency
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.records import EngineCoreOutput, RunnerOutput, TokenLogprobs
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.scheduler import Scheduler
 from loraplex.sampling_params import SamplingParams
+from tests.utils.fake_copier import FakeCopier
 from tests.utils.fake_runner import FakeRunner, next_token, reference_generate
 
 
@@ -481,32 +483,12 @@ def test_random_rollbacks_with_forced_tokens_keep_the_kv_right() -> None:
             tokens.append(t)
 
 
-class FakeResidency:
-    """Adapters become resident ``delay`` checks after their first miss (a background load)."""
-
-    def __init__(self, delay: int) -> None:
-        self.delay = delay
-        self.pending: dict[str, int] = {}
-        self.ready: set[str] = set()
-        self.in_use_seen: list[bool] = []
-
-    def ensure_resident(self, key: str, in_use) -> bool:  # type: ignore[no-untyped-def]
-        self.in_use_seen.append(in_use(key))
-        if key in self.ready:
-            return True
-        left = self.pending.setdefault(key, self.delay)
-        if left == 0:
-            self.ready.add(key)
-            return True
-        self.pending[key] = left - 1
-        return False
-
-
 def test_requests_wait_for_their_adapter_to_be_resident_while_others_run() -> None:
     kv = KVCacheManager(200, 4, True)
-    residency = FakeResidency(delay=3)
+    residency = AdapterResidency({"q_proj": 8}, max_cpu_loras=4)
+    residency.register("a", "a", {"q_proj": 4}, 1000)
     sched = Scheduler(SchedulerConfig(16, 64), kv, 256, max_loras=4, residency=residency)
-    runner = FakeRunner(200, 4)
+    runner = FakeCopier(FakeRunner(200, 4), delay=3)
     base = Request("base", [1, 2, 3], SamplingParams(max_tokens=6))
     cold = Request("cold", [4, 5, 6], SamplingParams(max_tokens=2), lora_key="a")
     sched.add_request(base)
@@ -521,5 +503,4 @@ def test_requests_wait_for_their_adapter_to_be_resident_while_others_run() -> No
     # The base request ran while the adapter loaded; the adapter request ran once resident.
     assert len(steps_before_cold) >= 3 and all(ids == {"base"} for ids in steps_before_cold)
     assert cold.num_output_tokens == 2 and base.num_output_tokens == 6
-    assert residency.ready == {"a"}
-    assert not any(residency.in_use_seen)  # nothing held adapter "a" while it was not resident
+    assert runner.loads == ["a"] and residency.tier_of("a") == "device"

@@ -37,14 +37,15 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[str]]:
 def test_host_lru_eviction_and_reload_from_disk(env: tuple[str, list[str]]) -> None:
     model_dir, adapters = env
     llm = LLM(model_dir, max_loras=1, max_cpu_loras=2, max_model_len=64)
-    mgr = llm.llm_engine.core.runner.lora
+    mgr = llm.llm_engine.core.adapters
     assert mgr is not None
     keys = [llm.add_lora(LoRARequest(f"a{i}", p)) for i, p in enumerate(adapters)]
     assert [mgr.tier_of(k) for k in keys] == ["disk", "disk", "host", "host"]
     assert mgr.stats.host_evictions == 2
     ref = llm.generate([[5, 6, 7]], P, lora_request=LoRARequest("a0", adapters[0]), use_tqdm=False)
     assert mgr.tier_of(keys[0]) == "device"  # reloaded from disk into host, then into slot 0
-    assert mgr.stats.disk_loads == 5
+    stats = llm.engine_stats().lora
+    assert stats is not None and stats.disk_loads == 5
     # The same output again, served from the slot without copying weights.
     loads = mgr.stats.slot_loads
     again = llm.generate(
@@ -66,7 +67,7 @@ def test_pinned_adapters_stay_in_the_device_pool_and_host_memory(
     llm = LLM(model_dir, max_loras=1, max_cpu_loras=1, max_model_len=64, lora_memory=8 * page_set)
     engine = llm.llm_engine
     pinned = engine.core.add_lora("p", adapters[0], pinned=True).content_hash
-    mgr = engine.core.runner.lora
+    mgr = engine.core.adapters
     assert mgr is not None and mgr.tier_of(pinned) == "device"  # loaded at once
     for i in (1, 2):
         llm.generate([[5, 6, 7]], P, lora_request=LoRARequest(f"x{i}", adapters[i]), use_tqdm=False)
@@ -172,7 +173,8 @@ def test_slot_reload_drops_prepared_weights(env: tuple[str, list[str]]) -> None:
     names = ["a0", "a1", "a0"]
     llm = LLM(model_dir, max_loras=1, max_model_len=64)
     mgr = llm.llm_engine.core.runner.lora
-    assert mgr is not None
+    residency = llm.llm_engine.core.adapters
+    assert mgr is not None and residency is not None
     ours, versions = [], []
     for name in names:
         req = LoRARequest(name, adapters[int(name[1])])
@@ -180,7 +182,7 @@ def test_slot_reload_drops_prepared_weights(env: tuple[str, list[str]]) -> None:
         layer = mgr.layers[0][1]
         assert layer.weights is not None
         versions.append(TorchLoRACache.of(layer.weights).version)
-    assert mgr.stats.slot_loads == 2
+    assert residency.stats.slot_loads == 2
     assert versions[0] < versions[1] < versions[2]
     for name, out in zip(names, ours, strict=True):
         fresh = LLM(model_dir, max_model_len=64).generate(

@@ -1,0 +1,264 @@
+"""Adapter residency (``engine/adapter_residency.py``) alone and under the scheduler with a fake
+copier: churn with a pool smaller than the working set under every policy, failures that stay
+with their adapter, deferrals counted per wait, no load-evict ping-pong, and the pool as a
+tenant resource. Torch-free: thousands of steps in well under a second."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.config import SchedulerConfig
+from loraplex.engine.adapter_residency import (
+    LOADING,
+    READY,
+    AdapterResidency,
+    Failed,
+    LoadResult,
+)
+from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.records import EngineCoreOutput
+from loraplex.engine.request import Request
+from loraplex.engine.scheduler import ADAPTER_FAILED, Scheduler
+from loraplex.sampling_params import SamplingParams
+from tests.utils.fake_copier import FakeCopier
+from tests.utils.fake_runner import FakeRunner, reference_generate
+
+RANK = {"q_proj": 8, "v_proj": 8}
+
+
+def residency(adapters: int, pages: int = 32, max_cpu_loras: int = 8) -> AdapterResidency:
+    res = AdapterResidency({"q_proj": pages, "v_proj": pages}, max_cpu_loras=max_cpu_loras)
+    for i in range(adapters):
+        res.register(f"k{i}", f"t/a{i}@1", RANK, 1 << 20)
+    return res
+
+
+def engine(
+    res: AdapterResidency, policy: str = "fair", max_loras: int = 4, max_num_seqs: int = 16
+) -> tuple[Scheduler, KVCacheManager]:
+    kv = KVCacheManager(2000, 4, True)
+    cfg = SchedulerConfig(max_num_seqs, 256, scheduling_policy=policy)  # type: ignore[arg-type]
+    return Scheduler(cfg, kv, 512, max_loras=max_loras, residency=res), kv
+
+
+def run(
+    sched: Scheduler, copier: FakeCopier, max_steps: int = 20_000
+) -> dict[str, EngineCoreOutput]:
+    """Step until every request finished; the last output of each request."""
+    last: dict[str, EngineCoreOutput] = {}
+    while sched.has_unfinished_requests():
+        assert sched.stats.num_steps < max_steps, "the engine made no progress"
+        out = sched.schedule()
+        for o in sched.update(out, copier.execute(out)):
+            last[o.request_id] = o
+    return last
+
+
+# ---- churn ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["fair", "fcfs", "priority"])
+def test_churn_with_a_pool_smaller_than_the_working_set_completes_everything(policy: str) -> None:
+    # Scenario (b) of issue 30: a pool for 4 rank-8 adapters, A with 40 adapters round robin at
+    # concurrency 16 (refilled as requests end), B one adapter of its own.
+    res = residency(41)
+    sched, kv = engine(res, policy)
+    copier = FakeCopier(FakeRunner(2000, 4), delay=2)
+    n_a, n_b = 400, 20
+    sent = {"a": 0, "b": 0}
+    finished: dict[str, EngineCoreOutput] = {}
+
+    def send(tenant: str) -> None:
+        i = sent[tenant]
+        key = f"k{i % 40}" if tenant == "a" else "k40"
+        sched.add_request(
+            Request(
+                f"{tenant}{i}",
+                [1 + i % 7, 2, 3],
+                SamplingParams(max_tokens=16, ignore_eos=True),
+                lora_key=key,
+                tenant=tenant,
+            )
+        )
+        sent[tenant] += 1
+
+    for _ in range(16):
+        send("a")
+    send("b")
+    while sched.has_unfinished_requests():
+        assert sched.stats.num_steps < 50_000
+        out = sched.schedule()
+        for o in sched.update(out, copier.execute(out)):
+            if o.finish_reason is not None:
+                finished[o.request_id] = o
+                tenant = o.request_id[0]
+                if sent[tenant] < (n_a if tenant == "a" else n_b):
+                    send(tenant)
+        if sched.stats.num_steps % 40 == 0 and sent["b"] < n_b:
+            send("b")
+    assert len(finished) == n_a + n_b
+    assert all(o.finish_reason == "length" for o in finished.values())
+    # Deferrals are waits, not steps; every load served at least one request (no ping-pong).
+    assert res.stats.loads_deferred <= sched.stats.num_steps
+    assert res.stats.slot_loads == len(copier.loads) <= n_a + n_b
+    assert res.stats.load_failures == 0 and res.loads_in_flight == 0
+    kv.check_integrity()
+
+
+def test_a_fresh_adapter_is_not_evicted_before_its_waiting_requests_ran() -> None:
+    # A pool of 2 adapters, 3 adapters each with waiting requests, slots for 1: a load that
+    # finishes must serve its requests before another load may take its pages.
+    res = residency(3, pages=16)
+    sched, _ = engine(res, "fcfs", max_loras=1)
+    copier = FakeCopier(FakeRunner(2000, 4), delay=1)
+    for i in range(12):
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        sched.add_request(Request(f"r{i}", [1, 2, i], params, lora_key=f"k{i % 3}"))
+    outs = run(sched, copier)
+    assert len(outs) == 12
+    # each load ran at least one request before its pages went to another adapter
+    served = [k for i, k in enumerate(copier.loads) if k not in copier.loads[i + 1 : i + 2]]
+    assert len(copier.loads) <= 12 and served
+
+
+def test_deferral_is_counted_once_per_wait_not_per_step() -> None:
+    res = residency(2, pages=8)  # room for one adapter
+    sched, _ = engine(res, "fcfs", max_loras=1)
+    copier = FakeCopier(FakeRunner(2000, 4), delay=1)
+    long = SamplingParams(max_tokens=200, ignore_eos=True)
+    sched.add_request(Request("hold", [1, 2, 3], long, lora_key="k0"))
+    sched.add_request(Request("wait", [1, 2, 4], SamplingParams(max_tokens=2), lora_key="k1"))
+    run(sched, copier)
+    assert sched.stats.num_steps > 200
+    assert res.stats.loads_deferred == 1  # k1 waited for k0's pages once, for ~200 steps
+
+
+# ---- failures ---------------------------------------------------------------------------------
+
+
+def test_a_failed_load_ends_only_its_adapters_requests_and_others_get_their_tokens() -> None:
+    res = residency(2)
+    sched, kv = engine(res, "fair")
+    copier = FakeCopier(
+        FakeRunner(2000, 4), fail=lambda k: "its files changed" if k == "k1" else None
+    )
+    p = SamplingParams(max_tokens=8, ignore_eos=True)
+    sched.add_request(Request("base", [5, 6, 7], p, tenant="x"))
+    sched.add_request(Request("ok", [5, 6, 8], p, lora_key="k0", tenant="y"))
+    sched.add_request(Request("bad", [5, 6, 9], p, lora_key="k1", tenant="z"))
+    sched.add_request(Request("bad2", [5, 6, 10], p, lora_key="k1", tenant="z"))
+    outs = run(sched, copier)
+    for rid in ("bad", "bad2"):
+        assert outs[rid].finish_reason == "error" and outs[rid].error_code == ADAPTER_FAILED
+        assert outs[rid].error == "adapter 't/a1@1' could not be loaded: its files changed"
+    assert outs["base"].finish_reason == outs["ok"].finish_reason == "length"
+    assert res.tier_of("k1") == "failed" and res.failed() == {"k1": outs["bad"].error}
+    # a new request on the failed adapter ends at once, with no new load
+    loads = len(copier.loads)
+    sched.add_request(Request("bad3", [5], p, lora_key="k1", tenant="z"))
+    steps = sched.stats.num_steps
+    assert run(sched, copier)["bad3"].error_code == ADAPTER_FAILED
+    assert len(copier.loads) == loads and sched.stats.num_steps == steps + 1
+    # until it is retried
+    assert res.retry("k1") and not res.retry("k1")
+    copier.fail = lambda k: None
+    sched.add_request(Request("again", [5], p, lora_key="k1", tenant="z"))
+    assert run(sched, copier)["again"].finish_reason == "length"
+    kv.check_integrity()
+
+
+def test_the_tokens_of_other_requests_do_not_change_when_an_adapter_fails() -> None:
+    def outputs(fault: bool) -> dict[str, list[int]]:
+        res = residency(2)
+        sched, _ = engine(res, "fair")
+        fail = (lambda k: "corrupt" if k == "k1" else None) if fault else None
+        copier = FakeCopier(FakeRunner(2000, 4), fail=fail)
+        reqs = {
+            "base": Request("base", [9, 8, 7], SamplingParams(max_tokens=12, ignore_eos=True)),
+            "other": Request(
+                "other", [9, 8, 6], SamplingParams(max_tokens=12, ignore_eos=True), lora_key="k0"
+            ),
+            "faulty": Request(
+                "faulty", [9, 8, 5], SamplingParams(max_tokens=12, ignore_eos=True), lora_key="k1"
+            ),
+        }
+        for r in reqs.values():
+            sched.add_request(r)
+        run(sched, copier)
+        return {rid: list(r.output_token_ids) for rid, r in reqs.items()}
+
+    clean, faulty = outputs(False), outputs(True)
+    assert faulty["base"] == clean["base"] == reference_generate([9, 8, 7], 12)
+    assert faulty["other"] == clean["other"]
+    assert faulty["faulty"] == [] and len(clean["faulty"]) == 12
+
+
+def test_an_adapter_that_can_never_fit_fails_with_the_reason() -> None:
+    res = AdapterResidency({"q_proj": 8}, max_cpu_loras=4)
+    with pytest.raises(Exception, match="needs 16 pages"):
+        res.register("big", "t/big@1", {"q_proj": 16}, 1)
+    res.register("k", "t/k@1", {"q_proj": 4}, 1)
+    res.pin("k")
+    assert res.status("k") == LOADING
+    res.register("k2", "t/k2@1", {"q_proj": 8}, 1)
+    res.plan_step({})  # k takes 4 pages, pinned; k2 needs 8 of 8: waits, then...
+    assert res.status("k2") == LOADING
+    plan = res.plan_step({})
+    assert plan.loads == [] and res.stats.loads_deferred == 1
+
+
+# ---- the unit alone ---------------------------------------------------------------------------
+
+
+def test_status_has_no_side_effect_but_the_demand_note() -> None:
+    res = residency(2)
+    assert res.status("k0", "t") == LOADING and res.loads_in_flight == 0
+    assert res.status("nope") == Failed("adapter nope is not registered with the engine")
+    plan = res.plan_step({})
+    assert [o.key for o in plan.loads] == ["k0"] and res.loads_in_flight == 1
+    assert res.status("k0") == LOADING
+    res.loaded(LoadResult("k0", plan.loads[0].generation))
+    assert res.status("k0") == READY and res.tier_of("k0") == "device"
+
+
+def test_loads_per_step_are_bounded() -> None:
+    res = residency(10, pages=80)
+    for i in range(10):
+        res.status(f"k{i}")
+    assert len(res.plan_step({}).loads) == res.max_loads_per_step == 2
+
+
+def test_removing_an_adapter_while_it_loads_keeps_its_pages_until_the_copy_ends() -> None:
+    res = residency(2, pages=8)
+    res.status("k0")
+    order = res.plan_step({}).loads[0]
+    res.forget("k0")
+    res.status("k1")
+    assert res.plan_step({}).loads == []  # k0's pages are still being written
+    res.loaded(LoadResult("k0", order.generation))
+    res.status("k1")
+    assert [o.key for o in res.plan_step({}).loads] == ["k1"]
+
+
+def test_the_tenant_over_its_share_of_pool_pages_is_evicted_first() -> None:
+    # 4 adapters fit; tenant "a" holds 3 (over its half), "b" holds 1 (least recently used).
+    res = residency(6)
+    for key, tenant in (("k4", "b"), ("k0", "a"), ("k1", "a"), ("k2", "a")):
+        res.status(key, tenant)
+        (order,) = res.plan_step({}).loads
+        res.loaded(LoadResult(key, order.generation))
+        res.plan_step({0: key})  # served once
+    res.status("k5", "b")
+    res.plan_step({})
+    assert res.tier_of("k4") == "device"  # b's own, older adapter stays
+    assert res.tier_of("k0") != "device"  # a's least recently used went
+    assert res.tenant_pages() == {"a": 32, "b": 32}
+
+
+def test_a_load_charges_its_tenant_under_the_fair_policy() -> None:
+    res = residency(1)
+    sched, _ = engine(res, "fair")
+    sched.add_request(Request("r", [1], SamplingParams(max_tokens=1), lora_key="k0", tenant="t"))
+    sched.schedule()
+    counters = sched.waiting.virtual_service()
+    assert counters is not None and counters["t"] > 0
