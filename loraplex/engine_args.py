@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypedDict, get_args
 
 from loraplex.argtypes import (
+    byte_size,
     env_bool,
     memory_size,
     non_negative_float,
@@ -112,7 +113,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("block_size", "cache", "tokens per KV block", positive_int),
     EngineArg("num_blocks", "cache", "KV cache blocks (instead of --kv-cache-memory)",
               positive_int),
-    EngineArg("kv_cache_memory", "cache", "KV cache bytes", positive_int),
+    EngineArg("kv_cache_memory", "cache", "KV cache size: bytes (150MB, 1.5GiB, 2G)",
+              byte_size),
     EngineArg("gpu_memory_utilization", "cache", "CUDA: fraction of device memory to use",
               positive_float),
     EngineArg("enable_prefix_caching", "cache", "reuse the KV of shared prompt prefixes",
@@ -128,8 +130,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("max_loras", "lora", "distinct adapters one step may use (at most 256)",
               positive_int),
     EngineArg("lora_memory", "lora",
-              "device memory for adapter pages: bytes (625MB, 2GiB) or a fraction of the KV "
-              "cache (0.25); default: max_loras adapters at max_lora_rank", memory_size),
+              "device memory for adapter pages: bytes (150MB, 1.5GiB, 2G) or a fraction of the "
+              "KV cache (0.25); default: max_loras adapters at max_lora_rank", memory_size),
     EngineArg("lora_dtype", "lora", "adapter pool storage (auto: the model's dtype; float16 "
               "halves the adapter bytes each step reads)", choices=get_args(DType)),
     EngineArg("max_cpu_loras", "lora", "adapters kept in host memory", positive_int),
@@ -140,6 +142,7 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               '"num_speculative_tokens": 4}\'', speculative_json),
 )  # fmt: skip
 _BY_NAME = {a.name: a for a in ENGINE_ARGS}
+_SIZES: tuple[Callable[[str], Any], ...] = (byte_size, memory_size)  # keywords may be "150MB"
 
 
 class EngineKwargs(TypedDict, total=False):
@@ -183,9 +186,9 @@ def engine_config(model: str | None = None, **knobs: Any) -> EngineConfig:
     top: dict[str, Any] = {}
     for name, value in knobs.items():
         arg = _BY_NAME[name]
-        if isinstance(value, str) and arg.type is memory_size:  # LLM(lora_memory="625MB")
+        if isinstance(value, str) and arg.type in _SIZES:  # LLM(kv_cache_memory="150MB")
             try:
-                value = memory_size(value)
+                value = arg.type(value)
             except argparse.ArgumentTypeError as exc:
                 raise ValueError(f"{name}: {exc}") from None
         if arg.section == "engine":

@@ -103,7 +103,7 @@ def test_lora_memory_takes_bytes_or_a_fraction(text: str, value: int | float) ->
 
 @pytest.mark.parametrize(
     ("value", "message"),
-    [("7XB", "unknown unit 'xb'"), ("-5MB", "more than 0"), ("abc", "expected bytes"),
+    [("7XB", "unknown unit 'xb'"), ("-5MB", "more than 0"), ("abc", "expected a size such as 150MB"),
      (1.5, r"fraction of the KV cache must be in \(0, 1\]"), (0, "positive number of bytes"),
      (True, "bytes, a fraction or None")],
 )  # fmt: skip

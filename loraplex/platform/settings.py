@@ -6,13 +6,22 @@ multi-tenant platform (database, data directory, uploads, usage retention).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import BeforeValidator, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from loraplex.argtypes import parse_size
 from loraplex.paths import default_data_dir
 from loraplex.platform.db.database import sqlite_url
+
+
+def _size(value: Any) -> Any:
+    return parse_size(value) if isinstance(value, str) else value
+
+
+# Bytes, also written as the flags write them ("16MiB", "1.5GB": argtypes.parse_size).
+ByteSize = Annotated[int, BeforeValidator(_size)]
 
 
 class ServerSettings(BaseSettings):
@@ -29,7 +38,7 @@ class ServerSettings(BaseSettings):
     metrics_token: SecretStr | None = Field(
         None, description="token that may read /metrics (besides admin callers)"
     )
-    max_request_bytes: int = Field(
+    max_request_bytes: ByteSize = Field(
         4 * 1024 * 1024,
         ge=1024,
         le=1024**3,
@@ -74,7 +83,9 @@ class TenancySettings(BaseSettings):
     share_prefix_cache: bool = Field(
         False, description="let tenants share prefix-cache blocks of the base model"
     )
-    max_adapter_bytes: int = Field(512 * 1024 * 1024, ge=1024, description="per upload")
+    max_adapter_bytes: ByteSize = Field(
+        512 * 1024 * 1024, ge=1024, description="per upload (bytes: 512MiB, 2GB, ...)"
+    )
     max_adapters_per_tenant: int = Field(
         100, ge=1, description="adapters per tenant unless the tenant's own limit is set"
     )

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from loraplex.argtypes import env_bool, positive_int
+from loraplex.argtypes import byte_size, env_bool, positive_int
 from loraplex.config import SchedulingPolicy
 from loraplex.engine.client import EngineClient
 from loraplex.engine.dp_router import ROUTING_POLICIES
@@ -30,10 +30,10 @@ def _env_default(flag: str, default: Any, cast: Callable[[str], Any] = str) -> A
         return default
     try:
         return cast(raw)
-    except ValueError:
+    except (ValueError, argparse.ArgumentTypeError) as exc:
         raise ValueError(
             f"{ENV_PREFIX}{flag.lstrip('-').replace('-', '_').upper()}={raw!r} is not a valid "
-            f"value for {flag}"
+            f"value for {flag}: {exc}"
         ) from None
 
 
@@ -74,8 +74,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     opt(
         "--max-request-bytes",
         None,
-        int,
-        help="largest request body accepted, in bytes (default 4 MiB); larger ones get 413",
+        byte_size,
+        help="largest request body accepted: bytes (64KiB, 16MiB, 1G; default 4MiB); larger "
+        "ones get 413",
     )
     opt(
         "--default-max-tokens",
