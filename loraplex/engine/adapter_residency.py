@@ -272,6 +272,13 @@ class AdapterResidency:
             self._fail(key, f"it does not fit the device adapter pool ({exc}); raise --lora-memory")
             return None
         if res is None:
+            if not self._could_fit(entry.ranks):
+                self._fail(
+                    key,
+                    "the device adapter pool is full of pinned adapters; the operator must "
+                    "unpin one or raise --lora-memory",
+                )
+                return None
             if key not in self._waiting_pages:
                 self._waiting_pages.add(key)
                 self.stats.loads_deferred += 1
@@ -286,6 +293,16 @@ class AdapterResidency:
         if self.on_load is not None:
             self.on_load(tenant, entry.nbytes)
         return LoadOrder(key, res.generation, {m: list(p) for m, p in res.pages.items()})
+
+    def _could_fit(self, ranks: Mapping[str, int]) -> bool:
+        """Whether pages for ``ranks`` exist once every adapter not pinned is gone."""
+        pinned: Counter[str] = Counter()
+        for key in self._pinned:
+            res = self.pool.get(key)
+            for module, rows in (res.pages if res is not None else {}).items():
+                pinned[module] += len(rows)
+        size = self.pool.pages_per_module
+        return all(r <= size.get(m, 0) - pinned[m] for m, r in ranks.items())
 
     def _victim_order(self, tenant: Tenant) -> list[str]:
         """Resident adapters in the order they should make room for ``tenant``'s load: those of

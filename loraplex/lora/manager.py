@@ -16,7 +16,6 @@ Adapters are identified by their content hash everywhere in the engine.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -481,8 +480,12 @@ def _cause(exc: BaseException) -> str:
     """A load failure as a sentence for the client: the cause, no paths or internals."""
     if isinstance(exc, AdapterChanged):
         return str(exc)
-    if isinstance(exc, AdapterError):
-        return f"{exc.code}: {_no_paths(str(exc))}"
+    if isinstance(exc, AdapterError):  # its stored files no longer pass the upload's checks
+        if exc.code == "missing_file":
+            return "its files are missing from the server's storage"
+        if exc.code == "nan_weights":
+            return "its weights hold NaN or Inf values"
+        return f"its stored files are damaged ({exc.code})"
     if isinstance(exc, FileNotFoundError | NotADirectoryError):
         return "its files are missing from the server's storage"
     if isinstance(exc, PermissionError):
@@ -492,8 +495,3 @@ def _cause(exc: BaseException) -> str:
     if isinstance(exc, OSError):
         return f"its files could not be read on the server ({type(exc).__name__})"
     return f"the copy into the adapter pool failed ({type(exc).__name__})"
-
-
-def _no_paths(message: str) -> str:
-    """Drop absolute filesystem paths from a message meant for a client."""
-    return re.sub(r"(/[^\s'\"]+)+", "<path>", message)

@@ -198,13 +198,22 @@ def test_an_adapter_that_can_never_fit_fails_with_the_reason() -> None:
     with pytest.raises(Exception, match="needs 16 pages"):
         res.register("big", "t/big@1", {"q_proj": 16}, 1)
     res.register("k", "t/k@1", {"q_proj": 4}, 1)
+    res.register("k2", "t/k2@1", {"q_proj": 8}, 1)
     res.pin("k")
     assert res.status("k") == LOADING
-    res.register("k2", "t/k2@1", {"q_proj": 8}, 1)
-    res.plan_step({})  # k takes 4 pages, pinned; k2 needs 8 of 8: waits, then...
+    (order,) = res.plan_step({}).loads
+    res.loaded(LoadResult("k", order.generation))
+    # k2 needs all 8 pages; the pinned k holds 4 of them for good: it fails, it does not wait
     assert res.status("k2") == LOADING
-    plan = res.plan_step({})
-    assert plan.loads == [] and res.stats.loads_deferred == 1
+    assert res.plan_step({}).loads == [] and res.stats.loads_deferred == 0
+    state = res.status("k2")
+    assert isinstance(state, Failed) and "full of pinned adapters" in state.reason
+    # an adapter that fits once unpinned adapters leave waits instead
+    res.pin("k", False)
+    res.retry("k2")
+    res.plan_step({0: "k"})
+    res.status("k2")
+    assert res.plan_step({0: "k"}).loads == [] and res.stats.loads_deferred == 1
 
 
 # ---- the unit alone ---------------------------------------------------------------------------
