@@ -8,6 +8,9 @@ from loraplex.platform.openai.protocol import MAX_STOP_STRINGS, SamplingFields
 from loraplex.sampling_params import SamplingParams, StructuredOutputsParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's max_tokens default on /v1/completions
+# The engine tests each generated token against every stop id (a tuple): a bound keeps that test
+# short. vLLM has none; 256 is far more than any model's end-of-turn tokens.
+MAX_STOP_TOKEN_IDS = 256
 
 
 def sampling_params(
@@ -20,6 +23,7 @@ def sampling_params(
     logprobs: int | None,
     max_n: int,
     max_model_len: int,
+    vocab_size: int,
     structured: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The engine's ``SamplingParams`` for a request, after the checks that need the prompts'
@@ -39,6 +43,7 @@ def sampling_params(
             "stop",
             "invalid_value",
         )
+    check_stop_token_ids(body.stop_token_ids, vocab_size)
     for ids in prompts:
         check_context(len(ids), max_tokens, max_model_len, prompt_param, tokens_param)
     try:
@@ -63,6 +68,27 @@ def sampling_params(
         )
     except ValueError as exc:
         raise params_error(exc, tokens_param) from None
+
+
+def check_stop_token_ids(ids: list[int] | None, vocab_size: int) -> None:
+    """400 naming ``stop_token_ids`` unless it holds at most ``MAX_STOP_TOKEN_IDS`` token ids
+    of the model (0 to ``vocab_size - 1``)."""
+    ids = ids or []
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise invalid_request(
+            f"stop_token_ids holds {len(ids):,} ids; at most {MAX_STOP_TOKEN_IDS} are allowed; "
+            "send fewer.",
+            "stop_token_ids",
+            "invalid_value",
+        )
+    for i, token in enumerate(ids):
+        if not 0 <= token < vocab_size:
+            raise invalid_request(
+                f"stop_token_ids[{i}] is {readable(token)}, not a token id of this model: its "
+                f"vocabulary has {vocab_size} tokens, ids 0 to {vocab_size - 1}.",
+                "stop_token_ids",
+                "invalid_token_id",
+            )
 
 
 def default_max_tokens(

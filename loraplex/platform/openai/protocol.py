@@ -49,8 +49,9 @@ ShortText = Annotated[str, StringConstraints(max_length=256), AfterValidator(_va
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]  # accepts JSON integers, refuses strings and booleans
 Bool = Annotated[bool, Strict()]
-# Any int64 passes here (the engine checks the vocabulary and names the bad id); a longer number
-# is refused here, so no message repeats a 4000-digit value.
+# Any int64 passes here (the vocabulary is checked where it is known: a prompt's ids by the engine
+# client, stop_token_ids by params.py); a longer number is refused here, so no message repeats a
+# 4000-digit value.
 TokenId = Annotated[int, Strict(), Field(ge=-_INT64, lt=_INT64)]
 TokenIds = list[TokenId]
 

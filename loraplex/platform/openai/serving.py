@@ -476,6 +476,7 @@ class OpenAIServing:
             logprobs=logprobs,
             max_n=self.config.max_n,
             max_model_len=self.client.info.max_model_len,
+            vocab_size=self.client.info.vocab_size,
             structured=structured,
         )
 

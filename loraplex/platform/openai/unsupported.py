@@ -99,6 +99,12 @@ UNSUPPORTED: dict[str, Unsupported] = {
         _stream_options,
         instead="set stream: true",
     ),
+    # A dotted name is a field inside an object field (checked after the object's own row).
+    "stream_options.continuous_usage_stats": Unsupported(
+        "adds usage to every streamed chunk",
+        default(False),
+        instead="set stream_options.include_usage for usage in the last chunk",
+    ),
     "modalities": Unsupported("asks for audio output", default(["text"]), CHAT),
     "audio": Unsupported("asks for audio output", endpoints=CHAT),
     "web_search_options": Unsupported("asks for web search", endpoints=CHAT),
@@ -174,19 +180,28 @@ IGNORED = frozenset(
 def refuse_unsupported(body: BaseModel, endpoint: Endpoint) -> None:
     """400 ``unsupported_parameter`` for the first field of ``UNSUPPORTED`` that ``body`` sets
     to a value that is not harmless."""
-    extra = body.model_extra or {}
-    declared = type(body).model_fields
     for name, rule in UNSUPPORTED.items():
         if endpoint not in rule.endpoints:
             continue
-        if name in declared:
-            value = getattr(body, name)
-        elif name in extra:
-            value = extra[name]
-        else:
-            continue
-        if not rule.harmless(value, body):
+        found, value = _field(body, name.split("."))
+        if found and not rule.harmless(value, body):
             raise unsupported(name, rule)
+
+
+def _field(model: BaseModel, path: list[str]) -> tuple[bool, Any]:
+    """(sent, value) of the field at ``path`` (a dotted name, split): declared or kept in
+    ``model_extra``; an object left null or absent holds no field."""
+    value: Any = model
+    for key in path:
+        if isinstance(value, BaseModel):
+            if key in type(value).model_fields:
+                value = getattr(value, key)
+                continue
+            value = value.model_extra or {}
+        if not isinstance(value, dict) or key not in value:
+            return False, None
+        value = value[key]
+    return True, value
 
 
 def unsupported(name: str, rule: Unsupported) -> APIError:
