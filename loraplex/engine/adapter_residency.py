@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from loraplex.engine.lora_slots import LoRASlots
 from loraplex.lora.plan import AdapterPlan, LoadOrder, LoadResult, SlotBinding
 from loraplex.lora.pool import AdapterPool, PoolFullError, Residency
 
@@ -108,13 +109,17 @@ class AdapterResidency:
         self,
         pages_per_module: Mapping[str, int],
         max_cpu_loras: int,
+        max_loras: int = 1,
         max_loads_per_step: int = 2,
         on_load: Callable[[Tenant, int], None] | None = None,
     ) -> None:
-        """``on_load(tenant, nbytes)``: told of every load started, to charge the tenant
-        (the fair policy counts loads as service)."""
+        """``max_loras``: the step slots (``slots``: which adapters hold them, taken and
+        released by the scheduler as requests start and end). ``on_load(tenant, nbytes)``: told
+        of every load started, to charge the tenant (the fair policy counts loads as
+        service)."""
         if max_loads_per_step < 1:
             raise ValueError(f"max_loads_per_step must be at least 1, got {max_loads_per_step}")
+        self.slots = LoRASlots(max_loras)
         self._pinned: set[str] = set()
         self.pool = AdapterPool(pages_per_module, pinned=self._pinned)
         self.max_cpu_loras = max_cpu_loras

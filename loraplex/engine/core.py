@@ -132,7 +132,9 @@ class EngineCore:
         # Where each adapter is and may be: decided here (torch-free), carried out by the runner.
         self.adapters: AdapterResidency | None = None
         if lora is not None:
-            self.adapters = AdapterResidency(lora.pages_per_module(), config.lora.max_cpu_loras)
+            self.adapters = AdapterResidency(
+                lora.pages_per_module(), config.lora.max_cpu_loras, config.lora.max_loras
+            )
         self.scheduler = Scheduler(
             config.scheduler,
             self.kv,

@@ -128,7 +128,13 @@ class Scheduler:
     ):
         self.config = config
         self.kv = kv
-        self.slots = LoRASlots(max_loras)
+        # the step slots are residency's when there is one (it owns everything adapter)
+        self.slots = residency.slots if residency is not None else LoRASlots(max_loras)
+        if self.slots.max_loras != max_loras:
+            raise ValueError(
+                f"max_loras={max_loras} but the adapter residency has {self.slots.max_loras} "
+                "slots; build both from the same LoRAConfig"
+            )
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
         if waiting_queue is None:  # not ``or``: an empty queue is falsy

@@ -26,8 +26,11 @@ from tests.utils.fake_runner import FakeRunner, reference_generate
 RANK = {"q_proj": 8, "v_proj": 8}
 
 
-def residency(adapters: int, pages: int = 32, max_cpu_loras: int = 8) -> AdapterResidency:
-    res = AdapterResidency({"q_proj": pages, "v_proj": pages}, max_cpu_loras=max_cpu_loras)
+def residency(
+    adapters: int, pages: int = 32, max_cpu_loras: int = 8, max_loras: int = 4
+) -> AdapterResidency:
+    pages_per_module = {"q_proj": pages, "v_proj": pages}
+    res = AdapterResidency(pages_per_module, max_cpu_loras=max_cpu_loras, max_loras=max_loras)
     for i in range(adapters):
         res.register(f"k{i}", f"t/a{i}@1", RANK, 1 << 20)
     return res
@@ -108,7 +111,7 @@ def test_churn_with_a_pool_smaller_than_the_working_set_completes_everything(pol
 def test_a_fresh_adapter_is_not_evicted_before_its_waiting_requests_ran() -> None:
     # A pool of 2 adapters, 3 adapters each with waiting requests, slots for 1: a load that
     # finishes must serve its requests before another load may take its pages.
-    res = residency(3, pages=16)
+    res = residency(3, pages=16, max_loras=1)
     sched, _ = engine(res, "fcfs", max_loras=1)
     copier = FakeCopier(FakeRunner(2000, 4), delay=1)
     for i in range(12):
@@ -122,7 +125,7 @@ def test_a_fresh_adapter_is_not_evicted_before_its_waiting_requests_ran() -> Non
 
 
 def test_deferral_is_counted_once_per_wait_not_per_step() -> None:
-    res = residency(2, pages=8)  # room for one adapter
+    res = residency(2, pages=8, max_loras=1)  # room for one adapter
     sched, _ = engine(res, "fcfs", max_loras=1)
     copier = FakeCopier(FakeRunner(2000, 4), delay=1)
     long = SamplingParams(max_tokens=200, ignore_eos=True)

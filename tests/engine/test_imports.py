@@ -1,5 +1,6 @@
-"""What importing the engine's torch-free parts pulls in: the scheduler, the KV manager and the
-scheduling policy (pure-Python cores), and the engine clients the platform imports."""
+"""What importing the engine's torch-free parts pulls in: the scheduler, the KV manager, adapter
+residency and the scheduling policy (pure-Python cores), and the engine clients the platform
+imports."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import pytest
 
 TORCH_FREE = [
     "loraplex.engine.scheduler",
+    "loraplex.engine.adapter_residency",
+    "loraplex.lora.plan",
+    "loraplex.lora.pool",
     "loraplex.engine.kv_cache",
     "loraplex.engine.waiting_queue",
     "loraplex.engine.admission",

@@ -485,7 +485,7 @@ def test_random_rollbacks_with_forced_tokens_keep_the_kv_right() -> None:
 
 def test_requests_wait_for_their_adapter_to_be_resident_while_others_run() -> None:
     kv = KVCacheManager(200, 4, True)
-    residency = AdapterResidency({"q_proj": 8}, max_cpu_loras=4)
+    residency = AdapterResidency({"q_proj": 8}, max_cpu_loras=4, max_loras=4)
     residency.register("a", "a", {"q_proj": 4}, 1000)
     sched = Scheduler(SchedulerConfig(16, 64), kv, 256, max_loras=4, residency=residency)
     runner = FakeCopier(FakeRunner(200, 4), delay=3)

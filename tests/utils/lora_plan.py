@@ -14,7 +14,9 @@ class Planner:
     def __init__(self, runner: ModelRunner) -> None:
         assert runner.lora is not None
         self.runner = runner
-        self.residency = AdapterResidency(runner.lora.pages_per_module(), max_cpu_loras=64)
+        self.residency = AdapterResidency(
+            runner.lora.pages_per_module(), max_cpu_loras=64, max_loras=runner.lora.config.max_loras
+        )
 
     def add(self, path: str, name: str) -> str:
         """Add an adapter; its key (content hash)."""
