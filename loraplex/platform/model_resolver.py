@@ -6,9 +6,11 @@ answers for tenant callers, within their own tenant only: another tenant's adapt
 exactly like a missing one (404 ``model_not_found``), and the operator's adapters are not theirs.
 Filesystem paths never leave this module's callers.
 
-``lookup`` and ``models`` are the async entry points (the registry reads the database and may
-load an adapter into the engine on first use); ``resolve`` and ``list_models`` are the operator's
-synchronous ones they fall back to.
+``lookup`` and ``models`` are the async entry points (the registry reads the database);
+``resolve`` and ``list_models`` are the operator's synchronous ones they fall back to. Resolving
+has no side effects: a resolved adapter that the engine does not hold yet (a registry version
+on its first use) is loaded by ``ResolvedModel.prepare``, which the serving layer calls only
+after the request passed its quotas, so a refused request never costs a load.
 
 The resolved model also carries the prefix-cache keys of the request: the caller's tenant salt,
 except for base-model requests when the operator lets tenants share the base model's cache.
@@ -18,8 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -34,6 +36,15 @@ class ResolvedModel:
     lora_key: str | None  # the adapter's content hash in the engine; None = the base model
     cache_extra_keys: tuple[str, ...] = ()  # join the request's prefix-cache block hashes
     adapter_version_id: int | None = None  # the registry's AdapterVersion (usage rows)
+    # Makes the engine hold the adapter (the registry's load of a cold version); None: nothing
+    # to do. Called after admission, never by the resolver.
+    load: Callable[[], Awaitable[None]] | None = field(default=None, compare=False, repr=False)
+
+    async def prepare(self) -> None:
+        """Make the model usable by the engine (loads a cold adapter; may raise ``APIError``
+        or ``EngineDeadError``)."""
+        if self.load is not None:
+            await self.load()
 
 
 @dataclass(frozen=True)

@@ -196,15 +196,36 @@ class DatabaseQuotaStore:
                 .values(finished_at=now, actual_tokens=actual_tokens)
             )
 
+        self._write_later(handle.tenant_id, finish, lease_id)
+
+    def narrow(self, handle: object, estimate: int) -> None:
+        """Lower an open lease's reservation (``Lease.narrow``), as ``release`` writes: later,
+        and before this replica's next admission of the tenant."""
+        assert isinstance(handle, _Row)
+        if handle.lease_id is None:
+            return
+        lease_id = handle.lease_id
+
+        def lower(session: Session) -> None:
+            session.execute(
+                update(QuotaLease)
+                .where(QuotaLease.id == lease_id, QuotaLease.estimated_tokens > estimate)
+                .values(estimated_tokens=estimate)
+            )
+
+        self._write_later(handle.tenant_id, lower, lease_id)
+
+    def _write_later(self, tenant_id: int, write: Callable[[Session], None], lease_id: int) -> None:
+        """Run ``write`` in a worker thread; the tenant's next admission here waits for it."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # not on the event loop (a script): nothing to block
-            self.db.call(finish)
+            self.db.call(write)
             return
-        task = loop.create_task(self._finish(finish, lease_id))
-        tasks = self._releases.setdefault(handle.tenant_id, set())
+        task = loop.create_task(self._finish(write, lease_id))
+        tasks = self._releases.setdefault(tenant_id, set())
         tasks.add(task)
-        task.add_done_callback(lambda t: self._forget_release(handle.tenant_id, t))
+        task.add_done_callback(lambda t: self._forget_release(tenant_id, t))
 
     def _forget_release(self, tenant_id: int, task: asyncio.Task[None]) -> None:
         tasks = self._releases.get(tenant_id)
@@ -217,7 +238,7 @@ class DatabaseQuotaStore:
         try:
             await self.db.run(finish)
         except Exception:  # the lease expires by itself when its heartbeat stops (ttl)
-            logger.exception("quota lease %d could not be released; it expires in time", lease_id)
+            logger.exception("quota lease %d could not be written; it expires in time", lease_id)
 
     def in_flight(self, tenant_id: int) -> int:
         return self._open.get(tenant_id, 0)

@@ -1,11 +1,15 @@
 """Per-tenant quotas: requests per minute, tokens per minute, concurrent requests.
 
-``QuotaManager.admit(caller, estimated_tokens)`` runs after authentication, model resolution and
-tokenization, before the request reaches the engine. It answers a ``Lease``, or raises a 429
-``rate_limit_exceeded`` (``Retry-After`` and OpenAI's ``x-ratelimit-*`` headers). The lease is
-released by ``lease.finish(actual_tokens)``, or, when the request was admitted with its
-``RequestRecord``, by ``QuotaManager.observe`` (a request-log observer) when the response is done
-or the client left, with the record's final token counts. ``finish`` is idempotent.
+``QuotaManager.admit(caller, estimated_tokens)`` runs after authentication and model resolution
+(which has no side effects), before anything that costs: tokenization, constraint compilation,
+adapter loads, the engine. It answers a ``Lease``, or raises a 429 ``rate_limit_exceeded``
+(``Retry-After`` and OpenAI's ``x-ratelimit-*`` headers). Since the prompt is not tokenized yet,
+the estimate is an upper bound computed without tokenizing (``estimate_bound``); once the
+prompt is tokenized, ``lease.narrow(estimate_tokens(...))`` lowers the reservation to the exact
+estimate. The lease is released by ``lease.finish(actual_tokens)``, or, when the request was
+admitted with its ``RequestRecord``, by ``QuotaManager.observe`` (a request-log observer) when
+the response is done or the client left, with the record's final token counts. ``finish`` is
+idempotent.
 
 The limits, per tenant, over a sliding window of the last ``window`` (60) seconds:
 
@@ -214,6 +218,11 @@ class QuotaStore(Protocol):
 
     def release(self, handle: object, actual_tokens: int) -> None: ...
 
+    def narrow(self, handle: object, estimate: int) -> None:
+        """Lower an unreleased handle's reservation to ``estimate`` (never raises it; from the
+        event loop, without waiting)."""
+        ...
+
     def in_flight(self, tenant_id: int) -> int:
         """This process's leases of the tenant not yet finished."""
         ...
@@ -265,10 +274,10 @@ class _TenantState:
         )
 
 
-@dataclass(frozen=True)
+@dataclass
 class _MemoryHandle:
     state: _TenantState
-    estimate: int
+    estimate: int  # what it holds in ``state.reserved`` now
 
 
 class MemoryQuotaStore:
@@ -316,6 +325,12 @@ class MemoryQuotaStore:
             state.tokens_in_window += actual_tokens
         state.expire(now, self.window)
 
+    def narrow(self, handle: object, estimate: int) -> None:
+        assert isinstance(handle, _MemoryHandle)
+        lower = min(handle.estimate, estimate)
+        handle.state.reserved -= handle.estimate - lower
+        handle.estimate = lower
+
     def in_flight(self, tenant_id: int) -> int:
         state = self._tenants.get(tenant_id)
         return state.in_flight if state is not None else 0
@@ -349,6 +364,16 @@ class Lease:
         self.estimated_tokens = estimated_tokens
         self.headers = headers  # x-ratelimit-* at admission; may go on the response
         self.finished = False
+
+    def narrow(self, estimated_tokens: int) -> None:
+        """Lower the reservation to ``estimated_tokens`` (the exact estimate, once the prompt
+        is tokenized); a higher figure changes nothing: the admission bound holds."""
+        estimate = max(0, int(estimated_tokens))
+        if self.finished or estimate >= self.estimated_tokens:
+            return
+        self.estimated_tokens = estimate
+        if self._store is not None:
+            self._store.narrow(self._handle, estimate)
 
     def finish(self, actual_tokens: int) -> None:
         """Release the concurrency slot and charge ``actual_tokens`` (prompt + completion)
@@ -486,4 +511,44 @@ def estimate_tokens(
     for prompt in prompts:
         room = max(0, max_model_len - len(prompt))
         total += len(prompt) + n * (room if max_tokens is None else min(max_tokens, room))
+    return total
+
+
+# Admission comes before tokenization, so its estimate cannot count the prompt's tokens. What
+# bounds them, cheaply:
+#   * a prompt of token ids: its length (exact);
+#   * a text: its UTF-8 bytes plus the special tokens the tokenizer adds plus one (a leading
+#     "dummy prefix" token): a byte-level BPE token covers at least one byte, a byte-fallback or
+#     character-level token one character (at least one byte), an unknown-word token one word;
+#   * any prompt that reaches the engine: ``max_model_len`` - 1 (a longer one is refused with a
+#     400 before the engine, and is charged nothing), so a chat prompt, whose template adds
+#     text that only rendering tells, is bounded by the context.
+# The bound holds only until the prompt is tokenized (milliseconds; a second for a megabyte):
+# ``Lease.narrow`` then lowers it to ``estimate_tokens``. Admitting with 0 tokens and adding
+# the estimate afterwards was the other choice: it lets a burst of concurrent requests all pass
+# the tokens/minute check before any of them reserves, breaking "over by at most the last
+# admitted request"; an over-reservation for milliseconds only refuses early, and only a tenant
+# already near its limit.
+
+
+def text_token_bound(text: str, special_tokens: int) -> int:
+    """At most how many tokens ``text`` tokenizes to (see above), without tokenizing it."""
+    return len(text.encode("utf-8")) + special_tokens + 1
+
+
+def estimate_bound(
+    prompt_bounds: list[int], n: int, max_tokens: int | None, max_model_len: int
+) -> int:
+    """An upper bound of ``estimate_tokens`` for prompts of at most ``prompt_bounds[i]``
+    tokens each (and at most ``max_model_len`` - 1, see above): the largest estimate over every
+    prompt length the bound allows."""
+    total = 0
+    limit = max_model_len
+    for bound in prompt_bounds:
+        most = max(0, min(bound, limit - 1))
+        # f(p) = p + n * min(m, L - p) grows with p up to p = L - m and falls (n > 1) or
+        # stays (n = 1) beyond: its largest value on [0, most] is at min(most, L - m).
+        m = limit if max_tokens is None else max(0, max_tokens)
+        p = min(most, max(0, limit - m))
+        total += p + n * min(m, limit - p)
     return total

@@ -73,6 +73,7 @@ class FakeEngineClient(EngineClient):
     running_on: dict[str, int] = field(default_factory=dict)  # adapter key -> running requests
     started: bool = False
     tenant_weights: dict[str, float] | None = None  # the last set_tenant_weights (checked)
+    retried: list[str] = field(default_factory=list)  # the keys of every retry_lora
 
     def __post_init__(self) -> None:
         self._init_adapters()
@@ -189,6 +190,15 @@ class FakeEngineClient(EngineClient):
         info = AdapterInfo(key, name, 8, ("q_proj", "v_proj"), 4096)
         self.adapters[key] = info
         return info
+
+    async def retry_lora(self, key: str) -> bool:
+        """Clears ``key`` from the scripted failures (``engine_stats["lora_failed"]``)."""
+        self.retried.append(key)
+        failed = dict(self.engine_stats.get("lora_failed") or {})
+        had = failed.pop(key, None) is not None
+        if had:
+            self.engine_stats["lora_failed"] = failed
+        return had
 
     def lose_adapter(self, key: str) -> None:
         """The engine loses its copy, as when a restart cannot load it again."""

@@ -1,5 +1,16 @@
-"""The completion and chat-completion handlers: resolve the model, render and tokenize the prompt,
-check it against the context, run a ``Generation``, and answer as JSON or as SSE chunks.
+"""The completion and chat-completion handlers, as a pipeline in which nothing costly runs before
+the request is admitted::
+
+    resolve   the model named (no side effects: no adapter load)            _begin
+    admit     the caller's quotas, on a token bound computed without       _admit
+              tokenizing (429 here); a lease released when the request ends
+    prepare   compile the constraint, render and tokenize the prompt,       (the handlers)
+              narrow the lease to the exact estimate, load a cold adapter   _open
+    generate  a ``Generation``, answered as JSON or as SSE chunks
+    account   what it produced, on the request's record                    account
+
+The lease goes with the request: the quota manager's request-log observer finishes it when the
+response ends, whatever the outcome, and a failure while preparing finishes it at once.
 
 Response shapes follow OpenAI's exactly (``cmpl-``/``chatcmpl-`` ids, ``object``, ``created``,
 ``model``, ``choices``, ``usage``); stream chunks are built as plain dicts so that fields OpenAI
@@ -13,7 +24,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,7 +84,13 @@ from loraplex.platform.openai.tools.output import StreamedCalls, whole_message
 from loraplex.platform.openai.tools.request import ToolPlan, tool_plan
 from loraplex.platform.openai.tools.template import ToolPrompt
 from loraplex.platform.openai.unsupported import refuse_unsupported
-from loraplex.platform.quotas import QuotaManager, estimate_tokens
+from loraplex.platform.quotas import (
+    Lease,
+    QuotaManager,
+    estimate_bound,
+    estimate_tokens,
+    text_token_bound,
+)
 from loraplex.platform.request_log import CLIENT_CLOSED, RequestRecord, request_record
 from loraplex.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -111,6 +128,7 @@ class OpenAIServing:
         self._token_text: dict[int, str] = {}
         self.prompts = Prompts(config.tokenize_threads)
         self.constraints = ConstraintChecker(config.grammar_threads)
+        self._special_tokens: dict[bool, int] = {}  # add_special_tokens -> tokens it adds
 
     async def tokenizer(self) -> Any:
         """The base model's tokenizer, loaded (in a thread) on first use."""
@@ -136,19 +154,29 @@ class OpenAIServing:
         items = self._completion_items(body)
         constraint = request_constraint(body)
         tokenizer = await self.tokenizer()
-        structured = await self._compiled(constraint, tokenizer)
         limit = self.client.info.max_model_len
-        prompts = await self.prompts.completion(tokenizer, body, items, limit)
+        specials = self.special_tokens(tokenizer, body.add_special_tokens is not False)
+        bounds = [
+            text_token_bound(item, specials) if isinstance(item, str) else len(item)
+            for item in items
+        ]
         max_tokens = body.max_tokens
-        if max_tokens is None:  # OpenAI's and vLLM's default, not the whole context
-            max_tokens = default_max_tokens(COMPLETIONS_DEFAULT_MAX_TOKENS, prompts, limit)
-        params = self._params(
-            body, prompts, "prompt", max_tokens, "max_tokens", body.logprobs, structured
-        )
-        headers = await self._admit(request, record, caller, prompts, params)
-        gen = self._open(
-            rid, prompts, params, model, caller, "prompt", tokenizer, priority=body.priority or 0
-        )
+        default = COMPLETIONS_DEFAULT_MAX_TOKENS  # OpenAI's and vLLM's, not the whole context
+        bound = estimate_bound(bounds, body.n or 1, max_tokens or default, limit)
+        lease = await self._admit(request, record, caller, bound)
+        with _released_on_failure(lease):
+            structured = await self._compiled(constraint, tokenizer)
+            prompts = await self.prompts.completion(tokenizer, body, items, limit)
+            if max_tokens is None:
+                max_tokens = default_max_tokens(default, prompts, limit)
+            params = self._params(
+                body, prompts, "prompt", max_tokens, "max_tokens", body.logprobs, structured
+            )
+            lease.narrow(estimate_tokens(prompts, params.n, params.max_tokens, limit))
+            gen = await self._open(
+                rid, prompts, params, model, caller, "prompt", tokenizer, body.priority or 0
+            )
+        headers = lease.headers
         created = int(time.time())
         want_lp = body.logprobs is not None
         if body.stream:
@@ -252,31 +280,40 @@ class OpenAIServing:
         add_generation_prompt, continue_final_message = _turn_end(body)
         plan = tool_plan(body)
         constraint = request_constraint(body)
-        tokenizer = await self.tokenizer()
-        template = template_tools(getattr(tokenizer, "chat_template", None))
-        structured = await self._compiled(with_tools(constraint, plan, template.format), tokenizer)
         limit = self.client.info.max_model_len
-        prompt = await self.prompts.chat(
-            tokenizer,
-            body,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            max_model_len=limit,
-            tools=ToolPrompt(template, plan.tools if plan else ()),
-        )
         max_tokens, tokens_param = body.max_tokens, "max_tokens"
         if body.max_completion_tokens is not None:
             max_tokens, tokens_param = body.max_completion_tokens, "max_completion_tokens"
-        if max_tokens is None:  # the operator's default (None: up to the context)
-            max_tokens = default_max_tokens(self.config.default_max_tokens, [prompt], limit)
-        top_n = (body.top_logprobs or 0) if body.logprobs else None
-        params = self._params(
-            body, [prompt], "messages", max_tokens, tokens_param, top_n, structured
-        )
-        headers = await self._admit(request, record, caller, [prompt], params)
-        gen = self._open(
-            rid, [prompt], params, model, caller, "messages", tokenizer, priority=body.priority or 0
-        )
+        default = self.config.default_max_tokens  # the operator's (None: up to the context)
+        # The template's own text is known only once rendered: the prompt is bounded by the
+        # context (see quotas.estimate_bound).
+        bound = estimate_bound([limit], body.n or 1, max_tokens or default, limit)
+        lease = await self._admit(request, record, caller, bound)
+        with _released_on_failure(lease):
+            tokenizer = await self.tokenizer()
+            template = template_tools(getattr(tokenizer, "chat_template", None))
+            structured = await self._compiled(
+                with_tools(constraint, plan, template.format), tokenizer
+            )
+            prompt = await self.prompts.chat(
+                tokenizer,
+                body,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                max_model_len=limit,
+                tools=ToolPrompt(template, plan.tools if plan else ()),
+            )
+            if max_tokens is None:
+                max_tokens = default_max_tokens(default, [prompt], limit)
+            top_n = (body.top_logprobs or 0) if body.logprobs else None
+            params = self._params(
+                body, [prompt], "messages", max_tokens, tokens_param, top_n, structured
+            )
+            lease.narrow(estimate_tokens([prompt], params.n, params.max_tokens, limit))
+            gen = await self._open(
+                rid, [prompt], params, model, caller, "messages", tokenizer, body.priority or 0
+            )
+        headers = lease.headers
         created = int(time.time())
         if body.stream:
             include_usage = _include_usage(body)
@@ -395,7 +432,7 @@ class OpenAIServing:
             seed=seed,
             structured_outputs=structured,
         )
-        gen = self._open(request_id, [prompt], params, model, caller, "prompt", tokenizer)
+        gen = await self._open(request_id, [prompt], params, model, caller, "prompt", tokenizer)
         return ConsoleRun(model, gen, min(max_tokens, room))
 
     async def check_console_schema(
@@ -427,25 +464,38 @@ class OpenAIServing:
         return record, model
 
     async def _admit(
-        self,
-        request: Request,
-        record: RequestRecord,
-        caller: Caller,
-        prompts: list[list[int]],
-        params: SamplingParams,
-    ) -> dict[str, str]:
-        """Take the caller's quotas (429 when over) before anything reaches the engine; the
-        slot is released by the quota manager's request observer when the request ends. Returns
-        the ``x-ratelimit-*`` headers for the response."""
-        quotas = self.quotas
-        if quotas is None:
-            return {}
-        estimate = estimate_tokens(
-            prompts, params.n, params.max_tokens, self.client.info.max_model_len
-        )
-        lease = await quotas.admit(caller, estimate, record=record)
+        self, request: Request, record: RequestRecord, caller: Caller, bound: int
+    ) -> Lease:
+        """Take the caller's quotas (429 when over) for a request of at most ``bound`` tokens,
+        before anything that costs; the lease is finished by the quota manager's request
+        observer when the request ends (``_released_on_failure`` finishes it at once when the
+        request fails before its response). Its ``x-ratelimit-*`` headers go on the response."""
+        lease = await self.admit(caller, bound, record=record)
         request.state.rate_limit_headers = lease.headers
-        return lease.headers
+        return lease
+
+    async def admit(
+        self, caller: Caller, bound: int, *, record: RequestRecord | None = None
+    ) -> Lease:
+        """The caller's quota lease for ``bound`` tokens (429 when over); a lease that holds
+        nothing where this server has no quotas."""
+        if self.quotas is None:
+            return Lease(None, None, 0, {})
+        return await self.quotas.admit(caller, bound, record=record)
+
+    def special_tokens(self, tokenizer: Any, add_special_tokens: bool) -> int:
+        """How many special tokens (BOS, EOS) the tokenizer adds to a text; a text prompt's
+        token bound counts them (``text_token_bound``)."""
+        count = self._special_tokens.get(add_special_tokens)
+        if count is None:
+            count = 0
+            measure = getattr(tokenizer, "num_special_tokens_to_add", None)
+            if add_special_tokens and measure is not None:
+                count = int(measure(pair=False))
+            elif add_special_tokens:
+                count = self.client.info.max_model_len  # unknown: the context bounds it
+            self._special_tokens[add_special_tokens] = count
+        return count
 
     async def _compiled(
         self, constraint: Constraint | None, tokenizer: Any
@@ -480,7 +530,7 @@ class OpenAIServing:
             structured=structured,
         )
 
-    def _open(
+    async def _open(
         self,
         rid: str,
         prompts: list[list[int]],
@@ -489,9 +539,11 @@ class OpenAIServing:
         caller: Caller,
         prompt_param: str,
         tokenizer: Any,
-        *,
         priority: int = 0,
     ) -> Generation:
+        """The request's generation, its adapter loaded first if the engine lacks it (only
+        here, after admission: a refused request never loads one)."""
+        await model.prepare()
         try:
             return Generation(
                 self.client,
@@ -622,6 +674,18 @@ def _turn_end(body: ChatCompletionRequest) -> tuple[bool, bool]:
         )
     add_generation = body.add_generation_prompt is not False and not continue_final
     return add_generation, continue_final
+
+
+@contextlib.contextmanager
+def _released_on_failure(lease: Lease) -> Iterator[None]:
+    """Finishes ``lease``, charging nothing, when the block raises (a 4xx/5xx before the
+    engine ran anything): its concurrency slot and reservation are back at once. The request
+    observer's later ``finish`` is then a no-op."""
+    try:
+        yield
+    except BaseException:
+        lease.finish(0)
+        raise
 
 
 def _include_usage(body: SamplingFields) -> bool:

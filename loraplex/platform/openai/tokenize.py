@@ -13,10 +13,18 @@ conversation renders exactly as ``/v1/chat/completions`` would render it (the to
 The work runs in the prompt threads, never on the event loop, and is bounded: a prompt of at
 most ``MAX_TOKENIZE_CHARS`` characters, at most ``MAX_DETOKENIZE_TOKENS`` ids, each in the
 vocabulary.
+
+Both count against the caller's quotas like a completion: admitted (requests/minute, tokens/
+minute, concurrency; 429 when over) after the cheap checks and before any tokenizer work, on a
+token bound computed without tokenizing (``_token_bound``), and charged the tokens they return
+(``count``, or the ids detokenized).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field
 
 from loraplex.platform.auth import Caller
@@ -35,6 +43,7 @@ from loraplex.platform.openai.serving import OpenAIServing
 from loraplex.platform.openai.tools.formats import template_tools
 from loraplex.platform.openai.tools.request import tool_plan
 from loraplex.platform.openai.tools.template import ToolPrompt
+from loraplex.platform.quotas import text_token_bound
 
 MAX_TOKENIZE_CHARS = 1 << 20
 MAX_DETOKENIZE_TOKENS = 1 << 17
@@ -105,6 +114,43 @@ async def tokenize(
             "prompt_too_long",
         )
     tokenizer = await serving.tokenizer()
+    lease = await serving.admit(caller, _token_bound(serving, body, tokenizer))
+    count = 0  # charged: the tokens returned (none when it fails)
+    try:
+        ids, strs = await _tokenized(serving, body, tokenizer)
+        count = len(ids)
+    finally:
+        lease.finish(count)
+    return TokenizeResponse(
+        count=len(ids),
+        max_model_len=serving.client.info.max_model_len,
+        tokens=ids,
+        token_strs=strs,
+    )
+
+
+def _token_bound(serving: OpenAIServing, body: TokenizeRequest, tokenizer: Any) -> int:
+    """At most how many tokens ``body`` tokenizes to, without tokenizing it (the quota
+    reservation while it runs): a prompt's UTF-8 bytes and the special tokens added (see
+    ``quotas``); a conversation's JSON bytes (every text the template may write, escaped, is
+    at least its UTF-8 bytes) and the tools', plus the template's own text once per message and
+    once for the generation prompt (loraplex's own tool instructions, for a template without
+    tools, can add a few more: the reservation lasts only while the tokenizer runs, and the
+    charge is the exact count)."""
+    if body.prompt is not None:
+        specials = serving.special_tokens(tokenizer, body.add_special_tokens is not False)
+        return text_token_bound(body.prompt, specials)
+    specials = serving.special_tokens(tokenizer, bool(body.add_special_tokens))
+    template = getattr(tokenizer, "chat_template", None) or ""
+    template_bytes = len(str(template).encode("utf-8"))
+    texts = len(pydantic_core.to_json(body.messages)) + len(pydantic_core.to_json(body.tools))
+    messages = len(body.messages or ())
+    return texts + (messages + 1) * template_bytes + specials + 1
+
+
+async def _tokenized(
+    serving: OpenAIServing, body: TokenizeRequest, tokenizer: Any
+) -> tuple[list[int], list[str] | None]:
     prompt = None
     if body.messages is not None:
         if (
@@ -139,13 +185,7 @@ async def tokenize(
         strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return ids, strs
 
-    ids, strs = await serving.prompts.run(run)
-    return TokenizeResponse(
-        count=len(ids),
-        max_model_len=serving.client.info.max_model_len,
-        tokens=ids,
-        token_strs=strs,
-    )
+    return await serving.prompts.run(run)
 
 
 async def detokenize(
@@ -160,6 +200,17 @@ async def detokenize(
             "tokens",
             "too_many_tokens",
         )
+    lease = await serving.admit(caller, len(tokens))
+    count = 0  # charged: the ids detokenized (none when it fails)
+    try:
+        text = await _detokenized(serving, tokens)
+        count = len(tokens)
+    finally:
+        lease.finish(count)
+    return DetokenizeResponse(prompt=text)
+
+
+async def _detokenized(serving: OpenAIServing, tokens: list[int]) -> str:
     tokenizer = await serving.tokenizer()
     vocab = len(tokenizer)
     for i, token in enumerate(tokens):
@@ -174,7 +225,7 @@ async def detokenize(
     def run() -> str:
         return str(tokenizer.decode(tokens))
 
-    return DetokenizeResponse(prompt=await serving.prompts.run(run))
+    return await serving.prompts.run(run)
 
 
 def _messages_chars(messages: list[ChatMessage] | None) -> int:

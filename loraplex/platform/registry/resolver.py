@@ -5,10 +5,14 @@ only; anything else (another tenant's adapter, a version still validating, a mal
 None, which the resolver answers with the same 404 ``model_not_found`` as a missing model.
 ``/v1/models`` lists, per adapter with a ready version, ``name`` (the newest) and every ready
 ``name@N``, each with ``parent`` = the base model, ``owned_by`` = the tenant, and ``created`` =
-when that version was uploaded. A resolved adapter is loaded into the engine if it is not there.
+when that version was uploaded. Resolving reads the database only: the resolved model's
+``prepare`` loads the version into the engine where it is not there (``load_for_request``), and
+the serving layer calls it once the request is admitted.
 """
 
 from __future__ import annotations
+
+import functools
 
 from loraplex.platform.auth import Caller
 from loraplex.platform.model_resolver import ModelEntry, ResolvedModel
@@ -28,12 +32,12 @@ class RegistryModels:
         version = await self.registry.find_ready(tenant_id, ref)
         if version is None:
             return None
-        await self.registry.load_for_request(version)
         return ResolvedModel(
             served_name=version.model_id,
             lora_key=version.content_sha256,
             cache_extra_keys=caller.cache_extra_keys,  # adapters never share across tenants
             adapter_version_id=version.version_id,
+            load=functools.partial(self.registry.load_for_request, version),
         )
 
     async def list_models(self, caller: Caller) -> list[ModelEntry]:
