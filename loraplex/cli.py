@@ -114,6 +114,22 @@ def build_parser() -> argparse.ArgumentParser:
             ),
         )
     )
+    from loraplex.bench.adapter_churn_options import add_churn_arguments
+
+    add_churn_arguments(
+        benches.add_parser(
+            "adapter-churn",
+            help="two tenants' adapter traffic against a small adapter pool, through the server",
+            description=(
+                "Start loraplex serve (issue 30's scenario a or b) and, over HTTP with streaming "
+                "clients: tenant B's first request on a never-used adapter against warm ones, "
+                "then B's time to first token alone, beside tenant A's requests on one adapter, "
+                "and beside A's requests over N adapters round robin (churn); errors per tenant, "
+                "engine restarts, adapter loads, evictions and deferrals against engine steps, "
+                "A's throughput. Writes JSON and a PNG to --output-dir."
+            ),
+        )
+    )
     from loraplex.bench.structured_options import add_suite_arguments
 
     add_suite_arguments(
@@ -399,6 +415,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from loraplex.bench.fairness_options import options_from as fairness_options
 
             run_fairness(fairness_options(args))
+            return 0
+        if args.command == "bench" and args.bench == "adapter-churn":
+            from loraplex.bench.adapter_churn import run_adapter_churn
+            from loraplex.bench.adapter_churn_options import options_from as churn_options
+
+            run_adapter_churn(churn_options(args))
             return 0
         if args.command == "bench" and args.bench == "structured-suite":
             from loraplex.bench.structured_options import options_from as suite_options

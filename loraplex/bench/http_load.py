@@ -161,7 +161,7 @@ class StreamRecord:
     chunk_times: list[float] = field(default_factory=list)
     tokens: int = 0  # completion tokens, from the final usage chunk
     status: int = 200
-    error: str | None = None
+    error: str | None = None  # also set by an error event inside a 200 stream
     error_code: str | None = None
 
     @property
@@ -211,6 +211,9 @@ async def stream(
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if chunk.get("error"):  # the server's error after the stream started
+                    record.error = chunk["error"].get("message")
+                    record.error_code = chunk["error"].get("code")
                 if chunk.get("usage"):
                     record.tokens = int(chunk["usage"]["completion_tokens"])
                 if any(c.get("text") for c in chunk.get("choices", ())):
