@@ -1,6 +1,8 @@
-"""Where the engine holds each adapter version, for ``/metrics``, with bounded labels::
+"""Where the engine holds each adapter version, and which failed to load, for ``/metrics``,
+with bounded labels::
 
     loraplex_adapter_residency{adapter_version="<version id>", tier="device|host|disk"} 1
+    loraplex_adapter_failed{tenant="<tenant id>", adapter="<name>", version="<N>"} 1
 
 The engine knows adapters by content hash (``LoRAStats.residency``); the label is the registry's
 version id (``AdapterVersion.id``), never a name or a hash. One content shared by several
@@ -17,6 +19,12 @@ seconds (deleted versions go, a new version of content already held appears). At
 runs at a time, in a worker thread; a scrape waits for it at most ``LOOKUP_TIMEOUT_S`` (a slower
 read lands in the cache for the next scrape); after a failed read the database is left alone
 for ``REFRESH_S``.
+
+``loraplex_adapter_failed`` has a series for each version whose content the engine failed to
+load (``LoRAStats.failed``, until it is added again or retried): its tenant's id, the adapter's
+name (a tenant's slug) and the version's number, at most ``MAX_VERSION_SERIES`` of them; the
+rest, and contents the registry does not know, are counted in one series with ``_other`` in
+every label. Failed contents are few: they are looked up at each scrape that has some.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from sqlalchemy.orm import Session
 
 from loraplex.engine.info import EngineStats, Tier
 from loraplex.platform.db.database import Database
-from loraplex.platform.db.models import AdapterVersion
+from loraplex.platform.db.models import Adapter, AdapterVersion
 
 logger = logging.getLogger(__name__)
 
@@ -187,5 +195,88 @@ class ResidencyCollector:
         )
         for version, tier, count in self._samples:
             gauge.add_metric([version, tier], count)
+        if include_all or gauge.samples:
+            yield gauge
+
+
+# ---- adapters that failed to load ---------------------------------------------------------------
+
+FailedVersion = tuple[str, str, str]  # (tenant id, adapter name, version number), as labels
+
+
+def failed_versions(session: Session, hashes: Collection[str]) -> list[FailedVersion]:
+    """The versions, of every tenant, whose content is one of ``hashes``: their labels, in
+    order (an operator-wide read, like ``version_ids``)."""
+    found: list[tuple[int, str, int]] = []
+    keys = sorted(hashes)
+    for start in range(0, len(keys), LOOKUP_CHUNK):
+        query = (
+            select(Adapter.tenant_id, Adapter.name, AdapterVersion.number)
+            .join(AdapterVersion, AdapterVersion.adapter_id == Adapter.id)
+            .where(AdapterVersion.content_sha256.in_(keys[start : start + LOOKUP_CHUNK]))
+        )
+        found += [(t, n, v) for t, n, v in session.execute(query)]
+    return [(str(t), name, str(v)) for t, name, v in sorted(found)]
+
+
+class FailedCollector:
+    """``loraplex_adapter_failed`` over the latest snapshot (``await update`` before each
+    collection). Without a database (the single-operator server) every failed adapter is in
+    ``_other``."""
+
+    def __init__(
+        self,
+        db: Database | None = None,
+        *,
+        cap: int = MAX_VERSION_SERIES,
+        timeout_s: float = LOOKUP_TIMEOUT_S,
+    ) -> None:
+        self.db = db
+        self.cap = cap
+        self.timeout_s = timeout_s
+        self._own: list[FailedVersion] = []
+        self._other = 0
+
+    async def update(self, stats: EngineStats | None) -> None:
+        lora = stats.lora if stats is not None else None
+        failed = set(lora.failed) if lora is not None else set()  # content hashes
+        self._own, self._other = [], 0
+        if not failed:
+            return
+        versions: list[FailedVersion] = []
+        known: set[str] = set()
+        if self.db is not None:
+            hashes = sorted(failed)
+
+            def read(session: Session) -> tuple[list[FailedVersion], set[str]]:
+                found = failed_versions(session, hashes)
+                ids = version_ids(session, hashes)
+                return found, {h for h, v in ids.items() if v}
+
+            try:
+                versions, known = await asyncio.wait_for(self.db.run(read), self.timeout_s)
+            except Exception as exc:  # counted in _other until a scrape can read them
+                logger.warning("metrics: cannot read the failed adapters' versions: %s", exc)
+        self._own = versions[: self.cap]
+        self._other = len(versions) - len(self._own) + len(failed - known)
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families(include_all=True))
+
+    def collect(self) -> Iterable[Metric]:
+        return list(self._families(include_all=False))
+
+    def _families(self, include_all: bool) -> Iterator[Metric]:
+        gauge = GaugeMetricFamily(
+            "loraplex_adapter_failed",
+            "1 for each adapter version the engine failed to load (its requests end with the "
+            f"reason; an upload again or a retry clears it); past the first {self.cap}, and "
+            f"for adapters the registry does not know, {OTHER} counts them.",
+            labels=["tenant", "adapter", "version"],
+        )
+        for labels in self._own:
+            gauge.add_metric(list(labels), 1.0)
+        if self._other:
+            gauge.add_metric([OTHER, OTHER, OTHER], float(self._other))
         if include_all or gauge.samples:
             yield gauge

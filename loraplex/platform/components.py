@@ -121,6 +121,9 @@ class Platform:
             metrics=PlatformMetrics(
                 client,
                 versions=AdapterVersionIndex(store.db) if store is not None else None,
+                db=store.db if store is not None else None,
+                max_tenants=settings.metrics_max_tenants,
+                max_adapters=settings.metrics_max_adapters,
             ),
             authenticator=authenticator,
             tenancy=tenancy,

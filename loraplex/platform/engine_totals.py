@@ -3,7 +3,7 @@ restart, so each total carries an offset (``MonotonicTotals``), for ``/metrics``
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -33,6 +33,12 @@ class MonotonicTotals(Generic[K]):
     def total(self, key: K) -> float | None:
         last = self._last.get(key)
         return None if last is None else last + self._offset.get(key, 0.0)
+
+    def forget(self, keys: Iterable[K]) -> None:
+        """Drop these totals (a deleted tenant's): a key seen again starts from zero."""
+        for key in keys:
+            self._last.pop(key, None)
+            self._offset.pop(key, None)
 
     def counted(self) -> list[K]:
         """Every key with a total."""

@@ -18,9 +18,12 @@ Two sources:
 
 Labels are bounded. ``model`` is the served name the request resolved to (the base model or a
 loaded adapter), or ``_unresolved`` when it did not resolve: never the string the caller sent.
-``tenant`` is the caller's tenant id from the registry, ``-`` for the operator (and, for now,
-everyone). ``endpoint`` is ``completions`` or ``chat_completions``; ``status`` the HTTP status
+``tenant`` is the caller's tenant id from the registry, ``-`` for the operator.
+``endpoint`` is ``completions`` or ``chat_completions``; ``status`` the HTTP status
 (499: the client left first; an error sent inside a stream counts with that error's status).
+Tenants and adapter versions get their own labels up to a cap (``metrics_max_tenants``,
+``metrics_max_adapters``; the rest are summed as ``_other``), and a tenant's or a version's
+series are removed at the first scrape after it is deleted (``metric_labels.LabelBudget``).
 
 Engine counters stay monotonic across engine restarts: the engine process starts again from
 zero, so each counter carries an offset that grows by the last total seen before every reset (a
@@ -40,16 +43,26 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 
 from loraplex.engine.client import EngineClient, EngineStats
-from loraplex.platform.adapter_metrics import AdapterVersionIndex, ResidencyCollector
+from loraplex.platform.adapter_metrics import (
+    AdapterVersionIndex,
+    FailedCollector,
+    ResidencyCollector,
+)
+from loraplex.platform.db.database import Database
 from loraplex.platform.engine_state import EngineNotAnswering, read_engine_stats
 from loraplex.platform.engine_totals import MonotonicTotals
+from loraplex.platform.metric_labels import (
+    MAX_ADAPTERS,
+    MAX_TENANTS,
+    Gone,
+    LabelBudget,
+)
 from loraplex.platform.request_log import RequestRecord
 from loraplex.platform.tenant_metrics import TenantCollector
 
 logger = logging.getLogger(__name__)
 
 UNRESOLVED_MODEL = "_unresolved"
-NO_TENANT = "-"
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 
 # Seconds. From a warm GPU (milliseconds) to a long prompt on a shared CPU (minutes).
@@ -76,11 +89,20 @@ class PlatformMetrics:
         *,
         stats_timeout: float = 3.0,
         versions: AdapterVersionIndex | None = None,
+        db: Database | None = None,
+        max_tenants: int = MAX_TENANTS,
+        max_adapters: int = MAX_ADAPTERS,
     ) -> None:
         """``versions``: the registry's adapter versions, for the residency gauge's labels
-        (None: no registry; every adapter counts in ``_other``)."""
+        (None: no registry; every adapter counts in ``_other``). ``db``: the platform's
+        database, where deleted tenants and versions are found (None: none ever is);
+        ``max_tenants`` and ``max_adapters``: the caps on their own labels."""
         self.client = client
         self.stats_timeout = stats_timeout
+        self.labels = LabelBudget(db, max_tenants=max_tenants, max_adapters=max_adapters)
+        # (model, tenant) -> the (endpoint, status) pairs of its request counter: what a
+        # deletion removes (prometheus_client has no public list of a metric's children)
+        self._series: dict[tuple[str, str], set[tuple[str, str]]] = {}
         self.registry = CollectorRegistry()
         per_model = ("model", "tenant")
 
@@ -121,10 +143,12 @@ class PlatformMetrics:
         )
         self.engine = EngineCollector()
         self.registry.register(self.engine)
-        self.tenants = TenantCollector()
+        self.tenants = TenantCollector(self.labels)
         self.registry.register(self.tenants)
         self.residency = ResidencyCollector(versions)
         self.registry.register(self.residency)
+        self.failed = FailedCollector(db)
+        self.registry.register(self.failed)
         self._scrape_lock = asyncio.Lock()  # snapshots reach the collector in order
 
     def observe(self, record: RequestRecord) -> None:
@@ -132,10 +156,13 @@ class PlatformMetrics:
         endpoint = ENDPOINTS.get(record.path)
         if endpoint is None:
             return
+        tenant = self.labels.tenant(record.tenant_id)
         model = record.served_model or UNRESOLVED_MODEL
-        tenant = record.tenant_id or NO_TENANT
-        status = record.stream_error_status or record.status or 500
-        self.requests.labels(model, tenant, endpoint, str(status)).inc()
+        if record.lora_key is not None and record.served_model is not None:
+            model = self.labels.adapter(tenant, model, record.adapter_version_id)
+        status = str(record.stream_error_status or record.status or 500)
+        self._series.setdefault((model, tenant), set()).add((endpoint, status))
+        self.requests.labels(model, tenant, endpoint, status).inc()
         if not record.generated:
             return
         self.prompt_tokens.labels(model, tenant).inc(record.prompt_tokens)
@@ -157,10 +184,29 @@ class PlatformMetrics:
                     stats = await read_engine_stats(self.client, self.stats_timeout)
                 except EngineNotAnswering as exc:  # what loraplex_engine_healthy reports
                     logger.warning("metrics: no engine stats: %s", exc.reason)
+            reported = stats.tenants if stats is not None else {}
+            gone = await self.labels.gone({*reported, *self.tenants.counted})
+            self._remove(gone)
             self.engine.update(stats)
-            self.tenants.update(stats)
+            self.tenants.update(stats, gone.tenants)
             await self.residency.update(stats)
+            await self.failed.update(stats)
             return generate_latest(self.registry)
+
+    def _remove(self, gone: Gone) -> None:
+        """Remove the request series of deleted tenants and adapter versions."""
+        doomed = [
+            (model, tenant)
+            for model, tenant in self._series
+            if tenant in gone.tenants or (tenant, model) in gone.adapters
+        ]
+        per_model = (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot,
+                     self.e2e, self.queue_time)  # fmt: skip
+        for model, tenant in doomed:
+            for endpoint, status in self._series.pop((model, tenant)):
+                self.requests.remove(model, tenant, endpoint, status)
+            for metric in per_model:
+                metric.remove(model, tenant)  # absent (nothing generated): a no-op
 
 
 # ---- engine metrics ----------------------------------------------------------------------------

@@ -56,6 +56,20 @@ class ServerSettings(BaseSettings):
     )
     max_n: int = Field(16, ge=1, le=256)
     max_prompts: int = Field(64, ge=1, le=4096)
+    metrics_max_tenants: int = Field(
+        500,
+        ge=1,
+        le=100_000,
+        description="tenants with series of their own in /metrics; the rest are summed as "
+        "tenant '_other'",
+    )
+    metrics_max_adapters: int = Field(
+        1000,
+        ge=1,
+        le=100_000,
+        description="adapter versions with series of their own in /metrics; the rest are "
+        "summed as model '_other'",
+    )
 
     @field_validator("metrics_token")
     @classmethod

@@ -442,6 +442,10 @@ class TenantService:
 
         tenant_id = await self.db.run(work)
         self.quotas.forget(tenant_id)
+        try:  # the engine forgets its weight (else the next refresh tells it)
+            await self.push_weights(only_changed=True)
+        except Exception:
+            logger.exception("telling the engine the weights after deleting %s failed", name)
         try:  # a failure waits for the next collection: nothing names those files any more
             await self.registry.collect_garbage()
         except Exception:

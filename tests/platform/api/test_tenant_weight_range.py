@@ -28,3 +28,17 @@ async def test_old_rows_outside_the_range_reach_the_engine_clamped(tenancy: Any)
     weights = env.fake.tenant_weights
     assert weights is not None
     assert (weights[ids["heavy"]], weights[ids["light"]]) == (100.0, 0.01)
+
+
+async def test_a_deleted_tenants_weight_leaves_the_engine(tenancy: Any) -> None:
+    env = tenancy
+    for name, weight in (("acme", 3), ("globex", 2)):
+        r = await env.http.post(
+            "/admin/api/tenants", headers=env.admin_headers, json={"name": name, "weight": weight}
+        )
+        assert r.status_code == 201, r.text
+    with env.store.db.session() as session:
+        globex = str(tenants.require_tenant(session, "globex").id)
+    r = await env.http.delete("/admin/api/tenants/acme", headers=env.admin_headers)
+    assert r.status_code == 200, r.text
+    assert env.fake.tenant_weights == {globex: 2.0}
