@@ -47,6 +47,19 @@ class ResolvedModel:
             await self.load()
 
 
+def adapter_failed(served_name: str, cause: str) -> APIError:
+    """422 ``adapter_failed``: the adapter version ``served_name`` (``name@N``, as the tenant
+    knows it: never the engine's key or a path) could not be loaded, for ``cause``; it fails
+    until it is uploaded again or the operator retries it."""
+    return APIError(
+        422,
+        f"The adapter {served_name} could not be loaded: {cause}. Upload the adapter again "
+        "as a new version, or ask the operator to retry it; other models are unaffected.",
+        param="model",
+        code="adapter_failed",
+    )
+
+
 @dataclass(frozen=True)
 class ModelEntry:
     name: str

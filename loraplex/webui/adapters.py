@@ -8,6 +8,10 @@ Routes::
     POST /admin/adapters/upload                  multipart: csrf_token (first), tenant, name,
                                                  description, file (the two PEFT files, or one archive)
     GET  /admin/adapters/{tenant}/{name@N}/delete    POST (same path)
+    POST /admin/adapters/{tenant}/{name@N}/retry     csrf_token: forget the engine's load failure
+
+A version whose engine load failed (file missing or damaged, bad weights, no room in the pool)
+shows the engine's reason and a Retry button: its next request loads it again.
 
 Uploads and deletes go through the registry (``loraplex.platform.registry.service``), as the
 admin API's do, with the actor ``admin (web)``: the same validation, storage, engine load and
@@ -20,7 +24,7 @@ written. A refused upload is shown inline in the form with the registry's messag
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any
 from urllib.parse import urlencode
 
@@ -113,6 +117,7 @@ class Residency:
     host: int | None = None
     registered: int | None = None
     error: str | None = None
+    failed: dict[str, str] = field(default_factory=dict)  # content hash -> why its load failed
 
     def of(self, content_hash: str, status: str) -> tuple[str, str]:
         """(word, explanation) for one version."""
@@ -147,7 +152,8 @@ async def read_residency(request: Request) -> Residency:
     if lora is None:
         return Residency(None, error="The engine serves no adapters (LoRA is off).")
     tiers = {k: str(v) for k, v in lora.residency.items()} if lora.residency is not None else None
-    return Residency(tiers, lora.resident_device, lora.resident_host, lora.registered)
+    failed = dict(lora.failed)
+    return Residency(tiers, lora.resident_device, lora.resident_host, lora.registered, None, failed)
 
 
 # ---- the list ---------------------------------------------------------------------------------
@@ -169,6 +175,7 @@ class VersionRow:
     created: str
     resident: str = ""
     resident_note: str = ""
+    failure: str = ""  # why the engine's load of it failed ("": it did not)
     is_new: bool = False
 
 
@@ -242,7 +249,10 @@ async def adapter_list(request: Request, admin: SignedIn) -> Response:
     for row in rows:
         word, note = residency.of(row.content_hash, row.status)
         is_new = row.ref == new_ref and (not tenant_name or row.tenant == tenant_name)
-        shown.append(replace(row, resident=word, resident_note=note, is_new=is_new))
+        failure = residency.failed.get(row.content_hash, "")
+        shown.append(
+            replace(row, resident=word, resident_note=note, failure=failure, is_new=is_new)
+        )
     query = [("tenant", tenant_name)]
     return render(
         request,
@@ -522,4 +532,23 @@ async def delete_version(request: Request, tenant: str, ref: str, admin: FormPos
             f"{tenant[:64]} has no adapter version {ref[:80]!r}.", ("Adapters", LIST)
         ) from None
     admin.flash("success", f"Deleted {row.tenant}/{row.ref}.")
+    return redirect(request, list_path(row.tenant))
+
+
+# ---- retry a version whose load failed --------------------------------------------------------
+
+
+def retry_path(tenant: str, ref: str) -> str:
+    return f"{LIST}/{tenant}/{ref}/retry"
+
+
+@router.post(LIST + "/{tenant}/{ref}/retry")
+async def retry_version(request: Request, tenant: str, ref: str, admin: FormPost) -> Response:
+    tenant_id, row, _ = await _version_or_404(request, tenant, ref)
+    number = int(row.ref.rsplit("@", 1)[1])
+    had_failed = await _registry(request).retry(tenant_id, WEB_ACTOR, row.adapter, number)
+    if had_failed:
+        admin.flash("success", f"{row.tenant}/{row.ref} is loaded again at its next request.")
+    else:
+        admin.flash("info", f"{row.tenant}/{row.ref} had no load failure; nothing changed.")
     return redirect(request, list_path(row.tenant))

@@ -3,15 +3,16 @@ under ``/admin/api/tenants/{tenant}/adapters`` for the operator.
 
 Reads take any valid tenant key; uploads and deletes need the ``adapters:write`` scope. The
 tenant is always the key's: fields such as ``tenant`` or ``owner`` in an upload are ignored.
-Responses never hold storage paths.
+Responses never hold storage paths. The operator may also retry a version whose engine load
+failed (``POST .../adapters/{name}/versions/{number}/retry``): its next request loads it again.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from typing import Literal
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 from pydantic import BaseModel
 
 from loraplex.platform import tenants
@@ -60,6 +61,15 @@ class AdapterDeleted(BaseModel):
     id: str
     object: Literal["adapter", "adapter.version"]
     deleted: bool = True
+
+
+class AdapterVersionRetried(BaseModel):
+    id: str  # name@N
+    object: Literal["adapter.version"] = "adapter.version"
+    had_failed: bool  # the engine held a load failure for it, now forgotten
+
+
+VersionNumber = Annotated[int, Path(ge=1, le=2**31 - 1)]
 
 
 def _ts(when: dt.datetime) -> int:
@@ -198,3 +208,18 @@ async def admin_delete_adapter(
     tenant: str, ref: str, registry: RegistryDep, caller: OperatorCaller
 ) -> AdapterDeleted:
     return await _delete(registry, await _tenant_named(registry, tenant), caller.id, ref)
+
+
+@operator_router.post(
+    "/admin/api/tenants/{tenant}/adapters/{name}/versions/{number}/retry",
+    response_model=AdapterVersionRetried,
+)
+async def admin_retry_version(
+    tenant: str, name: str, number: VersionNumber, registry: RegistryDep, caller: OperatorCaller
+) -> AdapterVersionRetried:
+    """Forget the engine's load failure of ``name@number`` (requests on it got 422
+    ``adapter_failed``): its next request loads it again. Audited; ``had_failed`` false when
+    there was none (nothing changes)."""
+    tenant_id = await _tenant_named(registry, tenant)
+    had_failed = await registry.retry(tenant_id, caller.id, name, number)
+    return AdapterVersionRetried(id=f"{name}@{number}", had_failed=had_failed)

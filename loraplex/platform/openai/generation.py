@@ -27,11 +27,19 @@ from loraplex.engine.client import EngineClient, RequestDelta
 from loraplex.engine.records import TokenLogprobs
 from loraplex.sampling_params import SamplingParams
 
+ADAPTER_FAILED = "adapter_failed"  # the engine's error_code: the request's adapter failed to load
+
 
 class EngineRequestError(Exception):
-    """The engine ended a sample with ``finish_reason: "error"`` (its structured-output
-    constraint failed to compile or to match in the engine); the message is the engine's. The
-    request is lost, the engine is fine."""
+    """The engine ended a sample with ``finish_reason: "error"``; the message is the engine's.
+    ``code``: the engine's ``error_code``: ``ADAPTER_FAILED`` when the request's adapter could
+    not be loaded (its files missing or damaged, bad weights, no room in the pool), None when
+    its structured-output constraint failed to compile or to match. The request is lost, the
+    engine is fine."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -166,7 +174,9 @@ class Generation:
     def _advance(self, choice: _Choice, delta: RequestDelta) -> ChoiceEvent:
         if delta.finish_reason == "error":
             self.finish_reasons[choice.index] = "error"
-            raise EngineRequestError(delta.error or "the engine could not serve this request")
+            raise EngineRequestError(
+                delta.error or "the engine could not serve this request", delta.error_code
+            )
         ids = delta.new_token_ids
         self.usage.completion_tokens += len(ids)
         if ids:

@@ -42,9 +42,10 @@ from loraplex.platform.errors import (
     invalid_request,
     model_not_found,
 )
-from loraplex.platform.model_resolver import ModelResolver, ResolvedModel
+from loraplex.platform.model_resolver import ModelResolver, ResolvedModel, adapter_failed
 from loraplex.platform.openai import logprobs as lp
 from loraplex.platform.openai.generation import (
+    ADAPTER_FAILED,
     ChoiceEvent,
     EngineRequestError,
     Generation,
@@ -183,10 +184,11 @@ class OpenAIServing:
             include_usage = _include_usage(body)
             events = self._completion_stream(gen, rid, created, model, include_usage, want_lp)
             return SSEResponse(
-                self._guarded(events, gen, record), headers={"X-Request-Id": rid, **headers}
+                self._guarded(events, gen, record, model),
+                headers={"X-Request-Id": rid, **headers},
             )
         choices = [_Collected(i) for i in range(gen.num_choices)]
-        if not await self._collect(gen, choices, request, record):
+        if not await self._collect(gen, choices, request, record, model):
             return ClientGone()
         return CompletionResponse(
             id=rid,
@@ -321,10 +323,11 @@ class OpenAIServing:
                 gen, rid, created, model, include_usage, top_n is not None, plan
             )
             return SSEResponse(
-                self._guarded(events, gen, record), headers={"X-Request-Id": rid, **headers}
+                self._guarded(events, gen, record, model),
+                headers={"X-Request-Id": rid, **headers},
             )
         choices = [_Collected(i) for i in range(gen.num_choices)]
-        if not await self._collect(gen, choices, request, record):
+        if not await self._collect(gen, choices, request, record, model):
             return ClientGone()
         return ChatCompletionResponse(
             id=rid,
@@ -564,7 +567,12 @@ class OpenAIServing:
             raise invalid_request(sentence(message), param, "invalid_prompt") from None
 
     async def _collect(
-        self, gen: Generation, choices: list[_Collected], request: Request, record: RequestRecord
+        self,
+        gen: Generation,
+        choices: list[_Collected],
+        request: Request,
+        record: RequestRecord,
+        model: ResolvedModel,
     ) -> bool:
         """Runs ``gen`` to the end into ``choices``; False when the client left first (the
         engine request is then aborted)."""
@@ -579,12 +587,16 @@ class OpenAIServing:
         except AdapterNotLoadedError:  # deleted before the request reached the engine
             raise adapter_gone() from None
         except EngineRequestError as exc:
-            raise request_failed(exc) from None
+            raise engine_request_error(exc, model) from None
         finally:
             account(record, gen)
 
     async def _guarded(
-        self, events: AsyncGenerator[str, None], gen: Generation, record: RequestRecord
+        self,
+        events: AsyncGenerator[str, None],
+        gen: Generation,
+        record: RequestRecord,
+        model: ResolvedModel,
     ) -> AsyncGenerator[str, None]:
         """SSE events, then ``[DONE]``; an error after the stream started (the engine died, say)
         becomes a last ``data: {"error": ...}`` event before ``[DONE]``."""
@@ -593,7 +605,7 @@ class OpenAIServing:
                 async for chunk in it:
                     yield chunk
         except Exception as exc:
-            error = _stream_error(exc)
+            error = _stream_error(exc, model)
             record.error_code, record.stream_error_status = error.code, error.status
             yield sse(error.body())
         finally:
@@ -759,6 +771,24 @@ def adapter_gone() -> APIError:
     )
 
 
+def engine_request_error(exc: EngineRequestError, model: ResolvedModel) -> APIError:
+    """The answer to a request the engine ended with an error: its adapter's fault, or a
+    constraint's."""
+    if exc.code == ADAPTER_FAILED:
+        return adapter_failed(model.served_name, failure_cause(str(exc)))
+    return request_failed(exc)
+
+
+def failure_cause(engine_error: str) -> str:
+    """The cause in the engine's ``adapter 'tenant/name@N' could not be loaded: <cause>``,
+    without the engine's name of the adapter: content shared by two tenants is registered under
+    the first one's name, which the other must not see. Nothing else is passed on (no content
+    hash: the engine's other wordings may hold one)."""
+    _, sep, cause = engine_error.partition(" could not be loaded: ")
+    cause = cause.strip().rstrip(".") if sep else ""
+    return cause or "the engine could not load it"
+
+
 def request_failed(exc: EngineRequestError) -> APIError:
     """The engine could not serve the request (a constraint that passed the platform's check
     failed in the engine): a server error, and the engine serves on."""
@@ -774,7 +804,7 @@ def request_failed(exc: EngineRequestError) -> APIError:
     )
 
 
-def _stream_error(exc: Exception) -> APIError:
+def _stream_error(exc: Exception, model: ResolvedModel) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, EngineDeadError):
@@ -782,7 +812,7 @@ def _stream_error(exc: Exception) -> APIError:
     if isinstance(exc, AdapterNotLoadedError):
         return adapter_gone()
     if isinstance(exc, EngineRequestError):
-        return request_failed(exc)
+        return engine_request_error(exc, model)
     if isinstance(exc, ValueError):
         return invalid_request(sentence(str(exc)), code="invalid_request")
     logger.exception("internal error in a stream")

@@ -52,6 +52,7 @@ from loraplex.platform import audit
 from loraplex.platform.db.models import Adapter, AdapterVersion, PlatformEvent, Tenant, utcnow
 from loraplex.platform.db.scope import TenantScope
 from loraplex.platform.errors import SERVER_ERROR, APIError
+from loraplex.platform.model_resolver import adapter_failed
 from loraplex.platform.registry import blobs
 from loraplex.platform.registry.names import AdapterRef, check_adapter_name, parse_ref
 from loraplex.platform.registry.records import (
@@ -284,9 +285,10 @@ class Registry:
                     # The registry and the engine hash adapters with the same function; a
                     # mismatch means the files changed on disk or the versions differ.
                     await self.client.release_lora(info.key, owner=REGISTRY_OWNER)
-                    raise RuntimeError(
+                    raise StoredFilesError(
                         f"the engine loaded {label} as {info.key[:12]}, but the registry "
-                        f"recorded {key[:12]}; the stored files at {path} changed"
+                        f"recorded {key[:12]}; the stored files at {path} changed",
+                        "its stored files changed on the server",
                     )
         finally:
             if not lock.locked():
@@ -299,9 +301,10 @@ class Registry:
             return self.db.call(lambda s: blobs.write_out(s, key, directory))
 
         if not await anyio.to_thread.run_sync(lambda: self.storage.materialize(key, write)):
-            raise RuntimeError(
+            raise StoredFilesError(
                 f"the files of adapter {key[:12]} are neither in this replica's data directory "
-                "nor in the database (uploaded before --shared-state database was on?)"
+                "nor in the database (uploaded before --shared-state database was on?)",
+                "its files are missing on the server",
             )
 
     async def _share(self, key: str) -> None:
@@ -314,7 +317,10 @@ class Registry:
                 raise
 
     async def load_for_request(self, version: ResolvedVersion) -> None:
-        """``ensure_loaded`` for a request: failures are the server's, answered 5xx."""
+        """``ensure_loaded`` for a request (called once it is admitted). The engine refusing
+        what the registry validated at upload, or stored files gone or changed, is the
+        adapter's fault: 422 ``adapter_failed`` naming the version as the tenant knows it;
+        anything else is the server's, answered 5xx."""
         try:
             await self.ensure_loaded(
                 version.content_sha256,
@@ -323,6 +329,15 @@ class Registry:
             )
         except EngineDeadError:
             raise
+        except StoredFilesError as exc:
+            logger.warning("registry: loading %s/%s: %s", version.tenant, version.model_id, exc)
+            raise adapter_failed(version.model_id, exc.cause) from None
+        except ValueError as exc:  # AdapterError (a ValueError with a .code), without torch
+            if as_adapter_error(exc) is None:
+                raise
+            logger.warning("registry: loading %s/%s: %s", version.tenant, version.model_id, exc)
+            cause = "its stored files are missing or damaged on the server"
+            raise adapter_failed(version.model_id, cause) from None
         except Exception as exc:
             logger.exception("registry: loading %s/%s failed", version.tenant, version.model_id)
             raise APIError(
@@ -332,6 +347,45 @@ class Registry:
                 type=SERVER_ERROR,
                 code="adapter_load_failed",
             ) from None
+
+    async def failed_loads(self) -> dict[str, str]:
+        """Content hash -> why the engine's load of it failed, for adapters failed now (empty
+        when the engine does not answer)."""
+        try:
+            stats = await self.client.stats()
+        except EngineDeadError:
+            return {}
+        return dict(stats.lora.failed) if stats.lora is not None else {}
+
+    async def retry(self, tenant_id: int, actor: str, name: str, number: int) -> bool:
+        """Forget the engine's load failure of the tenant's version ``name@number``: its next
+        request loads it again (``EngineClient.retry_lora``, on this replica's engine).
+        Audited (``adapter_version.retry``). False when it had no failure; 404 when there is no
+        such version."""
+        ref = f"{name}@{number}"
+
+        def read(session: Session) -> tuple[str, str] | None:
+            scope = TenantScope(session, tenant_id)
+            query = scope.select_versions().where(
+                Adapter.name == name, AdapterVersion.number == number
+            )
+            version = session.scalars(query.limit(1)).first()
+            return None if version is None else (version.content_sha256, scope.tenant().name)
+
+        found = await self._db(read)
+        if found is None:
+            raise adapter_not_found(ref)
+        key, tenant = found
+        retried = await self.client.retry_lora(key)
+
+        def log(session: Session) -> None:
+            audit.record(
+                session, actor, "adapter_version.retry", "adapter_version", ref,
+                tenant_name=tenant, after={"had_failed": retried},
+            )  # fmt: skip
+
+        await self._db(log)
+        return retried
 
     async def _drop(self, hashes: list[str]) -> None:
         """Release content no version names any more, and delete its files once the engine
@@ -404,13 +458,17 @@ class Registry:
                 raise
             raise adapter_error(refused) from None
         self._check_targets(checked)
+        # The engine's load of this content failed (its stored copy may be damaged): this
+        # upload's files replace the stored ones, and the failure is forgotten before the
+        # version is made ready, so its next request loads it again.
+        failed = checked.content_hash in await self.failed_loads()
         async with self._lock:
             added = await self._db(
                 lambda s: self._add_version(s, tenant_id, name, description, checked)
             )
             try:
                 await anyio.to_thread.run_sync(
-                    self.storage.store, checked.adapter_dir, checked.content_hash, work_dir
+                    self.storage.store, checked.adapter_dir, checked.content_hash, work_dir, failed
                 )
                 if self.shared:
                     await self._share(checked.content_hash)
@@ -419,6 +477,8 @@ class Registry:
                     await self._undo(added)
                 raise
         try:
+            if failed:
+                await self.client.retry_lora(checked.content_hash)
             await self.ensure_loaded(
                 checked.content_hash, added.storage_path, f"{added.tenant}/{name}@{added.number}"
             )
@@ -628,6 +688,15 @@ class Registry:
                 raise adapter_not_found(ref_text)
             await self._drop(unreferenced)
         return ref
+
+
+class StoredFilesError(RuntimeError):
+    """A stored adapter's files are missing or are not the content the registry recorded.
+    ``cause``: the same for a tenant (no path, no hash)."""
+
+    def __init__(self, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 @dataclass(frozen=True)

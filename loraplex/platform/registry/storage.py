@@ -76,13 +76,26 @@ class AdapterStorage:
         _check_hash(name)
         return self.root / name
 
-    def store(self, adapter_dir: Path, content_hash: str, work_dir: Path) -> Path:
+    def store(
+        self, adapter_dir: Path, content_hash: str, work_dir: Path, replace: bool = False
+    ) -> Path:
         """Move the adapter's two files from ``adapter_dir`` into ``adapters/<hash>``.
 
         ``work_dir`` is the upload's directory under ``tmp/`` (same filesystem as ``adapters/``).
-        Returns the stored directory; an existing one is kept (same content) and ours discarded.
+        Returns the stored directory; an existing one is kept (same content) and ours discarded,
+        unless ``replace``: then each stored file is replaced by ours, atomically (the engine's
+        load of the stored copy failed: it may be damaged on disk).
         """
         target = self.root / _check_hash(content_hash)
+        if target.is_dir() and replace:
+            for name in STORED_FILES:
+                os.chmod(adapter_dir / name, 0o600)
+                _fsync(adapter_dir / name)
+                if (target / name).is_dir() and not (target / name).is_symlink():
+                    shutil.rmtree(target / name)  # not a file: os.replace cannot take its place
+                os.replace(adapter_dir / name, target / name)
+            _fsync(target)
+            return target
         if target.is_dir():
             return target
         staged = work_dir / "stored"

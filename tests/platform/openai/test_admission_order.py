@@ -43,7 +43,7 @@ def _chat(model: str = BASE, content: str = "t30", **extra: Any) -> dict[str, An
     return {"model": model, "messages": [{"role": "user", "content": content}], **extra}
 
 
-def _completion(prompt: str = "t30 t31", **extra: Any) -> dict[str, Any]:
+def _completion(prompt: str | list[str] = "t30 t31", **extra: Any) -> dict[str, Any]:
     return {"model": BASE, "prompt": prompt, "max_tokens": 2, **extra}
 
 
