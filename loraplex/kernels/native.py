@@ -33,7 +33,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 NATIVE_ENV = "LORAPLEX_NATIVE"
-_SOURCES = ("cpu_kernels.c", "gemm.c")  # compiled into one library
+_SOURCES = ("cpu_kernels.c", "gemm.c", "gemm_bf16.c")  # compiled into one library
 _HEADERS = ("lp_simd.h", "lp_lora.h")
 _LIB = "libloraplex_cpu.so"
 
@@ -142,6 +142,15 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.lp_gemm_packed.argtypes = [
         i64, i64, i64, ptr, i64,  # m, n, k, x, ldx
         ptr, ptr, ptr, i64, c_int,  # packed, bias (or None), y, ldy, num_threads
+    ]  # fmt: skip
+    lib.lp_gemm_bf16_supported.restype = c_int
+    lib.lp_gemm_bf16_supported.argtypes = []
+    lib.lp_gemm_bf16_panel_width.restype = c_int
+    lib.lp_gemm_bf16_panel_width.argtypes = []
+    lib.lp_gemm_packed_bf16.restype = c_int
+    lib.lp_gemm_packed_bf16.argtypes = [
+        i64, i64, i64, ptr, i64,  # m, n, k, x (fp32), ldx
+        ptr, ptr, ptr, i64, c_int,  # packed (bf16 pairs), bias (fp32 or None), y, ldy, threads
     ]  # fmt: skip
     lib.lp_gemm_packed_lora.restype = c_int
     lib.lp_gemm_packed_lora.argtypes = [

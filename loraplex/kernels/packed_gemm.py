@@ -8,6 +8,12 @@ other dtypes and devices, and layouts the kernel cannot read go to ``F.linear``,
 the tests compare against. The packed copy is extra memory: one more copy of every packed
 weight, fp32, in huge pages where the OS gives them (``host_memory``).
 
+On CPUs with AVX512-BF16 (:func:`bf16_supported`), ``pack(w, dtype=torch.bfloat16)`` packs the
+weight as bf16 pairs along K instead (``csrc/gemm_bf16.c``: half the bytes, fp32 accumulation,
+x rounded to bf16 on the fly) and :func:`linear` dispatches on the packed copy's dtype; such a
+call computes ``F.linear(x.bfloat16().float(), w.bfloat16().float(), bias)`` up to summation
+order. The LoRA-fused call (:func:`linear_lora`) stays fp32-only. AMX-BF16 is not built yet.
+
 ``bench``: ``loraplex bench gemm`` times this kernel against ``F.linear`` per row count on the
 embedded model's shapes; ``python -m loraplex.cli bench throughput`` compares the whole engine
 with Hugging Face; ``tests/kernels/test_packed_gemm.py`` compares this kernel with torch.
@@ -35,6 +41,10 @@ from loraplex.kernels import host_memory, native
 # Other widths keep the decode-sized cap.
 _MAX_ROWS_BY_PANEL_WIDTH: dict[int, int | None] = {32: 128, 16: None}
 _DEFAULT_MAX_ROWS = 128
+# Rows up to which bf16 panels take a call (None: any), as measured with
+# ``loraplex bench gemm --rows 1,4,16,64,128,256,512,1024,2048`` against F.linear in fp32 and
+# in bf16 (oneDNN) on an AMD EPYC Zen 4 (2 threads): BF16_MAX_ROWS_TBD
+_BF16_MAX_ROWS: int | None = None
 
 
 def max_rows() -> int | None:
@@ -44,6 +54,11 @@ def max_rows() -> int | None:
     if width is None:
         return 0
     return _MAX_ROWS_BY_PANEL_WIDTH.get(width, _DEFAULT_MAX_ROWS)
+
+
+def bf16_max_rows() -> int | None:
+    """Rows up to which :func:`linear` uses the bf16 kernel for bf16 panels (None: any)."""
+    return _BF16_MAX_ROWS
 
 
 def panel_width() -> int | None:
@@ -65,12 +80,38 @@ def packs(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32 and device.type == "cpu" and panel_width() is not None
 
 
-def pack(weight_t: torch.Tensor) -> torch.Tensor | None:
-    """``weight_t [in, out]`` (``W.T``, any strides) -> panels ``[ceil(out / w), in, w]``.
+def bf16_supported() -> bool:
+    """Whether this machine's build has the bf16 kernel (the library says: built with
+    AVX512-BF16, which ``-march=native`` enables where the CPU has it)."""
+    lib = native.library()
+    return lib is not None and _bf16_width_of(lib) > 0
 
-    None when the packed kernel does not apply (:func:`packs`). The last panel is zero-padded;
-    the result shares no memory with ``weight_t``.
+
+@cache
+def _bf16_width_of(lib: ctypes.CDLL) -> int:
+    """A loaded library's bf16 panel width, 0 when it has no bf16 kernel (asked once)."""
+    return int(lib.lp_gemm_bf16_panel_width()) if lib.lp_gemm_bf16_supported() else 0
+
+
+def packs_bf16(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``pack(w, dtype=torch.bfloat16)`` packs a 2-D weight of this dtype (fp32 or
+    bf16) on this device (the CPU, with :func:`bf16_supported`)."""
+    return dtype in (torch.float32, torch.bfloat16) and device.type == "cpu" and bf16_supported()
+
+
+def pack(weight_t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """``weight_t [in, out]`` (``W.T``, any strides) -> panels for :func:`linear`.
+
+    fp32: ``[ceil(out / w), in, w]``, None where :func:`packs` is false. bf16: ``weight_t``
+    rounded to bf16 (nearest even, ``.to(torch.bfloat16)``) as pairs along ``in``,
+    ``[ceil(out / w), ceil(in / 2), w, 2]`` (panel p, pair row kk, column c: ``W.T[2kk, pw + c]``
+    and ``W.T[2kk + 1, pw + c]``), None where :func:`packs_bf16` is false. The last panel and an
+    odd ``in``'s last pair are zero-padded; the result shares no memory with ``weight_t``.
     """
+    if dtype == torch.bfloat16:
+        return _pack_bf16(weight_t)
+    if dtype != torch.float32:
+        raise ValueError(f"pack: dtype must be torch.float32 or torch.bfloat16, not {dtype}")
     width = panel_width()
     if width is None or weight_t.dim() != 2 or not packs(weight_t.dtype, weight_t.device):
         return None
@@ -83,6 +124,20 @@ def pack(weight_t: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def _pack_bf16(weight_t: torch.Tensor) -> torch.Tensor | None:
+    lib = native.library()
+    if lib is None or weight_t.dim() != 2 or not packs_bf16(weight_t.dtype, weight_t.device):
+        return None
+    width = _bf16_width_of(lib)
+    k, n = weight_t.shape
+    k2, panels = -(-k // 2), -(-n // width)
+    padded = torch.zeros(2 * k2, panels * width, dtype=torch.bfloat16)  # [2 * K2, panels * w]
+    padded[:k, :n] = weight_t.to(torch.bfloat16)
+    out = host_memory.empty((panels, k2, width, 2), torch.bfloat16)  # huge pages where it can
+    out.copy_(padded.view(k2, 2, panels, width).permute(2, 0, 3, 1))  # [panels, K2, w, 2]
+    return out
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -90,8 +145,9 @@ def linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [T, in]``, ``weight [out, in]``; ``packed`` is
-    ``pack(weight.t())`` or None. Uses the packed kernel when it applies."""
-    y = _packed_call(x, weight, packed, bias, None) if _within_rows(x) else None
+    ``pack(weight.t())`` (or ``pack(weight.t(), dtype=torch.bfloat16)``) or None. Uses the packed
+    kernel its dtype names when it applies; else ``F.linear(x, weight, bias)`` as given."""
+    y = _packed_call(x, weight, packed, bias, None) if _within_rows(x, packed) else None
     return F.linear(x, weight, bias) if y is None else y
 
 
@@ -102,7 +158,7 @@ def linear_any_rows(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The packed kernel's ``linear`` at any number of rows, past :func:`max_rows` too (what
-    ``loraplex bench gemm`` measures), or None where its layout does not apply."""
+    ``loraplex bench gemm`` measures; either dtype), or None where its layout does not apply."""
     return _packed_call(x, weight, packed, bias, None)
 
 
@@ -116,8 +172,11 @@ def linear_lora(
     """``linear`` with a LoRA delta added in the same native call (``lp_gemm_packed_lora``:
     the adapters' rows are fetched while the GEMM computes), or None where the packed kernel
     does not apply or ``lora_call(y)`` (the address of an ``lp_lora_call`` set up for this
-    ``y`` and ``x``) gives None: then the caller runs the two steps itself."""
-    return _packed_call(x, weight, packed, bias, lora_call) if _within_rows(x) else None
+    ``y`` and ``x``) gives None: then the caller runs the two steps itself. Always None for
+    bf16 panels (the fused kernel is fp32-only)."""
+    if packed is not None and packed.dtype == torch.bfloat16:
+        return None
+    return _packed_call(x, weight, packed, bias, lora_call) if _within_rows(x, packed) else None
 
 
 def _packed_call(
@@ -129,6 +188,8 @@ def _packed_call(
 ) -> torch.Tensor | None:
     """The packed kernel's ``y`` (with the LoRA delta when ``lora_call`` is given), or None
     where it does not apply."""
+    if packed is not None and packed.dtype == torch.bfloat16:
+        return _bf16_call(x, weight, packed, bias)
     lib = native.library() if packed is not None and _applies(x, weight, bias) else None
     if lib is None or packed is None:
         return None
@@ -155,8 +216,51 @@ def _packed_call(
     return y
 
 
-def _within_rows(x: torch.Tensor) -> bool:
-    limit = max_rows()
+def _bf16_call(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """``lp_gemm_packed_bf16``'s ``y`` (fp32), or None where it does not apply. ``weight`` gives
+    the shape only (any dtype): the kernel reads ``packed``, whose shape must match it."""
+    lib = native.library() if _applies_bf16(x, weight, bias) else None
+    width = 0 if lib is None else _bf16_width_of(lib)
+    if lib is None or width == 0:
+        return None
+    rows, k = x.shape
+    n = weight.shape[0]
+    expected = (-(-n // width), -(-k // 2), width, 2)
+    if tuple(packed.shape) != expected or not packed.is_contiguous() or not packed.is_cpu:
+        raise ValueError(
+            f"bf16 panels of shape {tuple(packed.shape)} do not fit a weight [{n}, {k}] (expected "
+            f"{expected}, contiguous on the CPU): pack it with pack(weight.t(), torch.bfloat16)"
+        )
+    y = torch.empty(rows, n, dtype=torch.float32)  # [T, out]
+    code = lib.lp_gemm_packed_bf16(
+        rows, n, k, native.ptr(x), x.stride(0),
+        native.ptr(packed), None if bias is None else native.ptr(bias),
+        native.ptr(y), n, native.num_threads(),
+    )  # fmt: skip
+    if code == -2:
+        raise MemoryError("native kernel lp_gemm_packed_bf16: out of memory converting x")
+    if code != 0:
+        raise RuntimeError("native kernel lp_gemm_packed_bf16 rejected its arguments")
+    return y
+
+
+def _applies_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[0] == 0 or x.shape[1] != weight.shape[1]:
+        return False
+    if x.stride(1) != 1 or x.stride(0) < x.shape[1]:
+        return False
+    if bias is not None and not (
+        bias.dim() == 1 and bias.is_contiguous() and bias.shape[0] == weight.shape[0]
+    ):
+        return False
+    return native.usable(x) if bias is None else native.usable(x, bias)
+
+
+def _within_rows(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
+    bf16 = packed is not None and packed.dtype == torch.bfloat16
+    limit = bf16_max_rows() if bf16 else max_rows()
     return limit is None or x.shape[0] <= limit
 
 
