@@ -34,7 +34,11 @@ and none is free, it *claims* one: until it is admitted, other tenants' adapter 
 priority or a worse one are not admitted (base-model requests still are), so the slots drain as
 their running requests finish, and the claimant goes first within its priority once a slot is
 free. One claim at a time; a cold request of a strictly better priority takes it over. The
-``StarvationGuard`` bound holds as well (for a tenant's own adapters).
+``StarvationGuard`` bound holds as well (for a tenant's own adapters). Slots are fair like
+seats: when the claimant's tenant holds fewer slots than its weighted share of them, the
+running requests of one adapter of the tenant holding the most slots beyond its share are
+preempted (``slot_victims``), so a light tenant's adapter waits a step or two instead of a
+whole round of a heavy tenant's requests on many adapters.
 """
 
 from __future__ import annotations
@@ -288,6 +292,39 @@ class FairQueue:
         )
         worse = [running[i] for i in order if running[i].priority > waiting.priority]
         return worse or self._seat_victims(running, waiting, order)
+
+    def slot_victims(
+        self, running: Sequence[Request], max_loras: int
+    ) -> tuple[Request, list[Request]] | None:
+        claim = self._claim
+        if claim is None or claim.lora_key is None:
+            return None
+        held: dict[Tenant, dict[str, list[Request]]] = {}
+        for r in running:
+            if r.lora_key is not None:
+                held.setdefault(r.tenant, {}).setdefault(r.lora_key, []).append(r)
+        in_use = sum(len(a) for a in held.values())
+        if in_use < max_loras or any(claim.lora_key in a for a in held.values()):
+            return None  # a slot is free, or its adapter holds one: nothing to make room for
+        tenants = set(held) | {claim.tenant}
+        total = sum(self._weight(t) for t in tenants)
+        share = {t: max_loras * self._weight(t) / total for t in tenants}
+        mine = len(held.get(claim.tenant, {}))
+        if mine + 1 > share[claim.tenant] + 0.5:
+            return None  # at or near its share of the slots already
+        over = [
+            (len(adapters) - share[t], t)
+            for t, adapters in held.items()
+            if t != claim.tenant and len(adapters) - 1 >= share[t]
+        ]
+        if not over:
+            return None
+        _, tenant = max(over, key=lambda x: (x[0], self._counters.get(x[1], 0.0)))
+        # the adapter whose requests are cheapest to recompute: fewest tokens computed
+        users = min(held[tenant].values(), key=lambda rs: sum(r.num_computed_tokens for r in rs))
+        if any(r.priority < claim.priority for r in users):
+            return None  # never preempt a better priority
+        return claim, list(users)
 
     def _seat_victims(
         self, running: Sequence[Request], waiting: Request, order: list[int]

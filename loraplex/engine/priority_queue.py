@@ -96,3 +96,8 @@ class PriorityQueue:
     def admission_victims(self, running: Sequence[Request], waiting: Request) -> list[Request]:
         order = sorted(range(len(running)), key=lambda i: (running[i].priority, i), reverse=True)
         return [running[i] for i in order if running[i].priority > waiting.priority]
+
+    def slot_victims(
+        self, running: Sequence[Request], max_loras: int
+    ) -> tuple[Request, list[Request]] | None:
+        return None  # slots drain in the order of admission

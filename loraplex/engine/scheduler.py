@@ -333,6 +333,11 @@ class Scheduler:
                 self._admit(req, num_hit)
                 scheduled.append(self._scheduled(req, num_new))
                 budget -= num_new
+            if waiting.priority_preemption and not self._to_preempt:
+                found = waiting.slot_victims(self.running, self.slots.max_loras)
+                if found is not None:
+                    claimant, victims = found
+                    self._to_preempt = [(v, claimant) for v in victims]
         finally:
             waiting.end_admission()
         if self._failed_keys:

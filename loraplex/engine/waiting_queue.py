@@ -95,6 +95,15 @@ class WaitingQueue(Protocol):
         never be able to preempt back the request it made room for."""
         ...
 
+    def slot_victims(
+        self, running: Sequence[Request], max_loras: int
+    ) -> tuple[Request, list[Request]] | None:
+        """When every LoRA slot is held and the request the policy would serve next waits for
+        one: that request and the running requests to preempt so that a slot frees (all those
+        of one adapter), or None. Called at the end of an admission pass; the victims are
+        preempted when the next step starts."""
+        ...
+
     def charge(self, served: Sequence[Service], running: Sequence[Request]) -> None:
         """One step's service, once per step after its tokens were appended; ``running``: the
         requests still running after it."""
@@ -197,6 +206,11 @@ class FCFSQueue:
 
     def admission_victims(self, running: Sequence[Request], waiting: Request) -> list[Request]:
         return []  # first come, first served: nobody is preempted for a later request
+
+    def slot_victims(
+        self, running: Sequence[Request], max_loras: int
+    ) -> tuple[Request, list[Request]] | None:
+        return None
 
     # ---- service and weights (this policy keeps no counters) -------------------------------
 
