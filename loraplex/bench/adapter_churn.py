@@ -69,6 +69,7 @@ B_STD = 0.02
 ERROR_PAUSE_S = 0.2  # after a failed request: a refusal is instant, no busy loop against it
 HEALTHY_WAIT_S = 180.0  # after a phase, for an engine that is restarting
 READ_TIMEOUT_S = 120.0  # a stream silent this long is a failure
+COLD_PROMPT_WORDS = 40  # cold and warm requests: prompts of one length (different words)
 
 
 # ---- adapters --------------------------------------------------------------------------------
@@ -211,8 +212,9 @@ class Clients:
     rng: random.Random
     sent: list[tuple[str, Sent]] = field(default_factory=list)  # (tenant, request)
 
-    async def send(self, tenant: str, model: str, max_tokens: int) -> Sent:
-        prompt = random_text(self.rng, self.rng.randint(20, 60))
+    async def send(self, tenant: str, model: str, max_tokens: int, words: int = 0) -> Sent:
+        """One streamed request; its prompt has ``words`` words (0: 20 to 60, drawn)."""
+        prompt = random_text(self.rng, words or self.rng.randint(20, 60))
         record = await stream(self.http, self.keys[tenant], tenant, prompt, max_tokens,
                               model=model)  # fmt: skip
         sent = Sent(record, model, max_tokens)
@@ -245,8 +247,15 @@ class Clients:
             await asyncio.sleep(self.opts.b_interval_s)
         return list(await asyncio.gather(*tasks))
 
-    def counters(self) -> Any:
-        return read_counters(self.http, self.platform.headers)
+    async def counters(self) -> dict[str, float]:
+        """``read_counters`` from a scrape the engine answered (a busy or restarting engine may
+        miss one: its counters are then absent or stale), trying for ``HEALTHY_WAIT_S``."""
+        deadline = time.monotonic() + HEALTHY_WAIT_S
+        while True:
+            values = await read_counters(self.http, self.platform.headers)
+            if values.get("healthy") or time.monotonic() > deadline:
+                return values
+            await asyncio.sleep(0.5)
 
     async def healthy(self) -> bool:
         """Wait (up to ``HEALTHY_WAIT_S``) until /health says the engine serves."""
@@ -269,11 +278,11 @@ async def cold_load(c: Clients, base: str, warm: str, cold: str, weights: int) -
     for _ in range(2):
         await c.send("a", warm, c.opts.a_max_tokens)
     before = await c.counters()
-    first = await c.send("b", cold, c.opts.b_max_tokens)
+    first = await c.send("b", cold, c.opts.b_max_tokens, COLD_PROMPT_WORDS)
     crossed = counter_deltas(before, await c.counters())
     warm_ttfts = []
     for _ in range(3):
-        s = await c.send("b", cold, c.opts.b_max_tokens)
+        s = await c.send("b", cold, c.opts.b_max_tokens, COLD_PROMPT_WORDS)
         if s.ok and s.record.ttft is not None:
             warm_ttfts.append(s.record.ttft)
     cold_ttft = first.record.ttft if first.ok else None

@@ -21,7 +21,7 @@ TARGETS: dict[str, float] = {  # issue 30's acceptance figures
     "b_p90_churn_over_baseline_max": 2.0,
     "cold_extra_ttft_max_s": 1.0,
 }
-FIRST_ERRORS = 5  # error messages kept per tenant and phase
+FIRST_ERRORS = 5  # distinct errors kept per tenant and phase
 PLOTTED = ("num_steps", "slot_loads", "slot_evictions", "loads_deferred", "disk_loads")
 
 
@@ -61,11 +61,17 @@ def ttft_summary(sent: Sequence[Sent]) -> dict[str, Any]:
 
 
 def error_summary(sent: Sequence[Sent]) -> dict[str, Any]:
+    """The failures: their count, per code, and the first ``FIRST_ERRORS`` distinct ones
+    (status, code and message) with how often each came."""
     failed = [s.problem() for s in sent if not s.ok]
+    distinct: dict[tuple[int, str, str], dict[str, Any]] = {}
+    for p in failed:
+        seen = distinct.setdefault((p["status"], p["code"], p["message"]), p | {"count": 0})
+        seen["count"] += 1
     return {
         "count": len(failed),
         "by_code": dict(Counter(p["code"] for p in failed).most_common()),
-        "first": failed[:FIRST_ERRORS],
+        "first": list(distinct.values())[:FIRST_ERRORS],
     }
 
 
@@ -190,10 +196,11 @@ def write_churn_plot(result: dict[str, Any], path: Path) -> str | None:
         for i in range(1, len(restarts)):
             if restarts[i] > restarts[i - 1]:
                 counts.axvline(series["t"][i], color="red", lw=0.8, ls=":")
-        counts.set_yscale("symlog")
+        counts.set_yscale("symlog")  # linear near 0, log above: steps and deferrals differ 100x
+        counts.set_ylim(bottom=0)
         total = int(restarts[-1]) if restarts else 0
         counts.set_title(f"churn phase: engine counters (red: {total} engine restarts)")
-        counts.set_xlabel("s since the phase started")
+        counts.set_xlabel("s since the phase started (red: a new engine process ready)")
         counts.set_ylabel("count since the phase started")
         counts.legend(fontsize=8)
     fig.tight_layout()
