@@ -9,7 +9,7 @@ import math
 import pytest
 
 from loraplex.config import TENANT_WEIGHT_RANGE
-from tests.engine.test_fair_queue import Drive
+from tests.utils.scheduler_drive import Drive
 
 
 def test_the_engine_refuses_a_weight_outside_the_range_and_keeps_the_last() -> None:
