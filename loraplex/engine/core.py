@@ -58,6 +58,8 @@ class EngineCore:
             max_loras=lora.max_loras,
             max_cpu_loras=lora.max_cpu_loras,
             lora_target_modules=core.lora_target_modules,
+            dtype=core.runner.precision.name,
+            dtype_reason=core.runner.precision.reason,
         )
         return core, info
 
@@ -315,6 +317,7 @@ class EngineCore:
             lora=self._lora_stats(),
             speculative=None if self.spec is None else self.spec.stats(),
             tenants=self._tenant_stats(),
+            dtype=self.runner.precision.name,
         )
 
     def _tenant_stats(self) -> dict[str, TenantStats]:

@@ -32,6 +32,9 @@ class EngineInfo:
     max_loras: int  # adapters one step may use (device slots)
     max_cpu_loras: int  # adapters kept in host memory
     lora_target_modules: tuple[str, ...]  # the modules an adapter may target on this model
+    # the precision the engine runs in (``engine/models/precision.py``) and why it was picked
+    dtype: str = "float32"
+    dtype_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,7 @@ class EngineStats:
     # tenant id (NO_TENANT for requests without one) -> its share: every tenant with a request
     # since the engine started, and every tenant given a weight
     tenants: Mapping[str, TenantStats] = field(default_factory=dict)
+    dtype: str = ""  # the precision the engine runs in (EngineInfo.dtype_reason says why)
     num_inflight: int = 0
     engine_restarts: int = 0
 

@@ -32,9 +32,9 @@ from loraplex.engine.models.loader import (
     build_spec,
     load_model,
     resolve_device,
-    resolve_dtype,
 )
 from loraplex.engine.models.parallel import SINGLE, TPGroup
+from loraplex.engine.models.precision import resolve_precision
 from loraplex.engine.records import (
     RunnerOutput,
     ScheduledRequest,
@@ -90,11 +90,12 @@ class ModelRunner:
         if tp.size > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", tp.rank)  # one GPU per rank
             torch.cuda.set_device(self.device)
-        dtype = resolve_dtype(model_config.dtype, self.device)
+        self.precision = resolve_precision(model_config.dtype, self.device)
+        dtype = self.precision.dtype
         torch.manual_seed(model_config.seed)
         self.model: LlamaForCausalLM
         self.model, self.hf_config = load_model(
-            model_dir, dtype, self.device, model_config.max_model_len, tp
+            model_dir, self.precision, self.device, model_config.max_model_len, tp
         )
         self._spec = build_spec(model_dir, self.hf_config, dtype)
         layer0 = self.model.model.layers[0]

@@ -276,7 +276,8 @@ async def _serve(args: argparse.Namespace, config: Any, model_dir: str) -> int:
         base_url = f"http://{args.host}:{args.port}"
         print(
             f"loraplex: serving {', '.join(names)} on {base_url}/v1 "
-            f"(engine ready in {time.perf_counter() - start:.1f} s; model {model_dir})",
+            f"(engine ready in {time.perf_counter() - start:.1f} s; model {model_dir}; "
+            f"dtype {client.info.dtype}: {client.info.dtype_reason})",
             file=sys.stderr,
             flush=True,
         )

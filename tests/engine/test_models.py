@@ -10,9 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraplex.engine.attention.base import SplitAttentionMetadata
-from loraplex.engine.models.layers import PackedLinear, rope_inv_freq, rope_parameters
+from loraplex.engine.models.layers import Linear, PackedLinear, rope_inv_freq, rope_parameters
 from loraplex.engine.models.llama import LlamaForCausalLM
 from loraplex.engine.models.loader import build_spec, load_model
+from loraplex.kernels import packed_gemm
 from tests.utils.model_fixtures import CONFIGS, cache_for, hf_logits, layout_for, save_tiny
 
 BLOCK = 4
@@ -182,7 +183,12 @@ def test_dtype_and_spec(tmp_path: Path) -> None:
     save_tiny("qwen3", tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 3]}))
     model, hf_config = load_model(str(tmp_path), dtype="bfloat16")
-    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    if packed_gemm.bf16_supported():  # bf16 matrix products, fp32 activations
+        assert model.model.embed_tokens.weight.dtype == torch.float32
+        linear = next(m for m in model.modules() if isinstance(m, Linear))
+        assert linear.packed is not None and linear.packed.dtype == torch.bfloat16
+    else:  # a torch bf16 model
+        assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     model32, _ = load_model(str(tmp_path), dtype="auto", device="cpu")
     assert model32.model.norm.weight.dtype == torch.float32
     spec = build_spec(str(tmp_path), hf_config, torch.float32)

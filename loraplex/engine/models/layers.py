@@ -68,13 +68,14 @@ class Linear(nn.Module):
             )
         target.copy_(loaded)
 
-    def pack_weight(self) -> None:
-        """Keep a panel-packed copy of the (loaded) weight for the CPU decode-batch kernel.
+    def pack_weight(self, dtype: torch.dtype = torch.float32) -> None:
+        """Keep a panel-packed copy of the (loaded) weight for the CPU GEMM, its values in
+        ``dtype`` (float32, or bfloat16 on CPUs with bf16 units).
 
         A no-op where that kernel does not apply (see ``packed_gemm.pack``); loading a shard
         afterwards drops the copy.
         """
-        self.packed = packed_gemm.pack(self.weight.t())
+        self.packed = packed_gemm.pack(self.weight.t(), dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_gemm.linear(x, self.weight, self.packed, self.bias)  # [T, out_features]

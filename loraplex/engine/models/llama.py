@@ -341,12 +341,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, metadata)  # [T, hidden]
 
-    def pack_weights(self) -> None:
-        """After loading: panel-packed copies of every linear weight and of the tied head, for
-        the CPU fp32 decode-batch GEMM (``packed_gemm``); a no-op elsewhere."""
+    def pack_weights(self, dtype: torch.dtype = torch.float32) -> None:
+        """After loading: panel-packed copies of every linear weight (values in ``dtype``:
+        float32, or bfloat16 where the CPU has bf16 units) and of the tied head (float32: the
+        logits keep fp32 weights), for the CPU GEMM (``packed_gemm``); a no-op elsewhere."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack_weight()
+                module.pack_weight(dtype)
         if self.lm_head is None:
             self.tied_head_packed = packed_gemm.pack(self.model.embed_tokens.weight.t())
 

@@ -20,6 +20,7 @@ from loraplex.engine.models import ARCHITECTURES
 from loraplex.engine.models.layers import Linear
 from loraplex.engine.models.llama import LlamaForCausalLM
 from loraplex.engine.models.parallel import SINGLE, TPGroup, VocabParallelEmbedding
+from loraplex.engine.models.precision import Precision, resolve_precision
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -50,17 +51,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if isinstance(device, str) and device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``"auto"``: float32 on CPU, bfloat16 on CUDA; explicit dtypes are honoured."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
-    return _DTYPES[dtype]
 
 
 def architecture_of(hf_config: Any) -> type[LlamaForCausalLM]:
@@ -218,7 +208,7 @@ def _copy(param: torch.Tensor, tensor: torch.Tensor) -> None:
 
 def load_model(
     model_dir: str,
-    dtype: str | torch.dtype = "auto",
+    dtype: str | torch.dtype | Precision = "auto",
     device: str | torch.device = "cpu",
     max_model_len: int | None = None,
     tp: TPGroup = SINGLE,
@@ -233,9 +223,9 @@ def load_model(
     hf_config = AutoConfig.from_pretrained(model_dir)
     cls = architecture_of(hf_config)
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
+    precision = dtype if isinstance(dtype, Precision) else resolve_precision(dtype, dev)
     max_position = max_model_len or max_positions(hf_config)
-    model = cls(hf_config, max_position, torch_dtype, dev, tp)
+    model = cls(hf_config, max_position, precision.dtype, dev, tp)
     load_weights(model, model_dir)
-    model.pack_weights()
+    model.pack_weights(precision.gemm_dtype)
     return model.eval(), hf_config

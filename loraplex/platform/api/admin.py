@@ -391,6 +391,8 @@ async def engine_state(
     return {
         "object": "engine",
         "healthy": True,
+        "dtype": client.info.dtype,
+        "dtype_reason": client.info.dtype_reason,
         "running": stats.num_running,
         "waiting": stats.num_waiting,
         "kv_cache_usage": stats.kv_cache_usage,
