@@ -104,9 +104,9 @@ def test_pack_is_none_with_native_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not packed_gemm.bf16_supported()
 
 
-# rows: the few-row tiles (1-3: several panels at once), one uneven tile, one 14-row tile and
-# more, uneven tile splits past the decode-sized cap
-ROWS = [1, 2, 3, 7, 64, 129, 300]
+# rows: each few-row group (1-6 rows: several panels at once), one 7- and one 14-row tile,
+# uneven tile splits, prefill-sized batches
+ROWS = [1, 2, 3, 4, 5, 6, 7, 14, 15, 64, 129, 300]
 # (in, out): tiny (one thread), odd K with a partial panel, even K, the SmolLM2 shapes
 SHAPES = [(1, 1), (7, 33), (64, 64), (131, 257), (576, 960), (1536, 576)]
 

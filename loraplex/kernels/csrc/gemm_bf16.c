@@ -207,15 +207,21 @@ static void lb_pack_x(int64_t t, int64_t m, int64_t k, const float *x, int64_t l
 }
 
 /* ---- 1 to LB_FEW_ROWS rows: several panels at once ----
- * As in gemm.c: one row streaming one panel keeps too few reads in flight to saturate memory,
- * so a few-row tile takes g consecutive panels at once (g read streams, 2 * rows * g
- * independent accumulators, each stream prefetched LB_FEW_PREFETCH pair rows ahead). */
-#define LB_FEW_ROWS 3
-#define LB_FEW_PAIRS 8    /* rows * panels: 16 accumulators */
+ * As in gemm.c: one tile streaming one panel keeps too few reads in flight to use the memory's
+ * bandwidth, so a few-row tile takes g consecutive panels at once (g read streams,
+ * 2 * rows * g independent accumulators, each stream prefetched LB_FEW_PREFETCH pair rows
+ * ahead). With 32 vector registers that pays up to 6 rows here (gemm.c: 3): 1 row takes
+ * 4 panels, 2 rows 3, 3 rows 4, 4 rows 3, 5-6 rows 2, chosen with paired single-thread runs of
+ * build variants on SmolLM2's shapes, weights cold, on a 2-core AMD EPYC Zen 4. */
+#define LB_FEW_ROWS 6
+#define LB_FEW_PAIRS 12   /* rows * panels: 24 accumulators */
 #define LB_FEW_PREFETCH 8 /* pair rows ahead in each stream */
 
 /* Panels per few-row group at mr rows */
-static inline int64_t lb_few_group_panels(int64_t mr) { return mr == 1 ? 8 : mr == 2 ? 4 : 2; }
+static inline int64_t lb_few_group_panels(int64_t mr) {
+    static const int64_t panels[7] = {0, 4, 3, 4, 3, 2, 2};
+    return panels[mr];
+}
 
 /* Rows [0, mr) of y for the g panels from `panel` on (pstride bf16 apart), columns from col of
  * n; xb rows of k2 pairs. mr and g are compile-time constants at every call (lb_few_group). */
@@ -271,9 +277,11 @@ static void lb_few_group(int64_t p, int64_t g, int64_t mr, int64_t n, int64_t k2
         lb_few_tile(rows, panels, k2, xb, panel, pstride, bias, y, ldy, col, n);              \
         break;
         LB_FEW_CASE(1, 1) LB_FEW_CASE(1, 2) LB_FEW_CASE(1, 3) LB_FEW_CASE(1, 4)
-        LB_FEW_CASE(1, 5) LB_FEW_CASE(1, 6) LB_FEW_CASE(1, 7) LB_FEW_CASE(1, 8)
-        LB_FEW_CASE(2, 1) LB_FEW_CASE(2, 2) LB_FEW_CASE(2, 3) LB_FEW_CASE(2, 4)
-        LB_FEW_CASE(3, 1) LB_FEW_CASE(3, 2)
+        LB_FEW_CASE(2, 1) LB_FEW_CASE(2, 2) LB_FEW_CASE(2, 3)
+        LB_FEW_CASE(3, 1) LB_FEW_CASE(3, 2) LB_FEW_CASE(3, 3) LB_FEW_CASE(3, 4)
+        LB_FEW_CASE(4, 1) LB_FEW_CASE(4, 2) LB_FEW_CASE(4, 3)
+        LB_FEW_CASE(5, 1) LB_FEW_CASE(5, 2)
+        LB_FEW_CASE(6, 1) LB_FEW_CASE(6, 2)
 #undef LB_FEW_CASE
         default:
             break;
