@@ -23,8 +23,9 @@
  *
  * Without AVX512-BF16 in the build (-march=native on a CPU without it) only the queries are
  * compiled: lp_gemm_bf16_supported() is 0 and lp_gemm_packed_bf16 returns -1.
- * AMX-BF16 (tiles of 16 rows x 32 bf16 pairs, Intel Sapphire Rapids on) is a later path: it
- * needs a machine to test on, and its own layout ([K/32][NR][32] blocks per panel).
+ * AMX-BF16 (Intel Sapphire Rapids on) is a later path, not built: it needs a machine to test
+ * on. It could read these same panels: a tdpbf16ps B tile is 16 pair rows x 16 columns' pairs
+ * (64 bytes a row), one half of a pair row here, loaded with a 128-byte stride.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -308,9 +309,12 @@ static void lb_panels(int64_t p0, int64_t p1, int64_t m, int64_t n, int64_t k2,
 
 /* y[m, n] = bf16(x[m, k]) @ W + bias, W packed as described above (panel width
  * lp_gemm_bf16_panel_width(), `packed` ceil(n / 32) * ceil(k / 2) * 64 bf16 as uint16), x rows
- * ldx apart (fp32), y rows ldy apart, bias [n] fp32 or NULL. Each thread converts its share of
- * x, then takes a contiguous range of panels. Returns 0, -1 when an argument is out of range,
- * -2 when out of memory (nothing written either way). */
+ * ldx apart (fp32), y rows ldy apart, bias [n] fp32 or NULL. Each thread takes a contiguous
+ * range of panels. Up to LB_FEW_ROWS rows each thread converts all of x into its own slice of
+ * the buffer (a few microseconds at most) and no thread waits for another; past that the
+ * threads share the conversion into row tiles, then meet at a barrier (gemm.c's pack_x).
+ * Returns 0, -1 when an argument is out of range, -2 when out of memory (nothing written
+ * either way). */
 int lp_gemm_packed_bf16(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx,
                         const uint16_t *packed, const float *bias, float *y, int64_t ldy,
                         int num_threads) {
@@ -319,18 +323,22 @@ int lp_gemm_packed_bf16(int64_t m, int64_t n, int64_t k, const float *x, int64_t
     const int64_t k2 = (k + 1) / 2, panels = (n + LB_NR - 1) / LB_NR;
     const int few = m <= LB_FEW_ROWS;
     const int64_t tiles = (m + LB_MR - 1) / LB_MR;
-    uint32_t *xb = lb_x_buffer(few ? m * k2 : tiles * k2 * LB_MR);
-    if (xb == NULL) return -2;
     const int threads = m * n * k < LB_PAR_MIN ? 1 : num_threads;
+    uint32_t *xb = lb_x_buffer(few ? threads * m * k2 : tiles * k2 * LB_MR);
+    if (xb == NULL) return -2;
 #pragma omp parallel num_threads(threads)
     {
         const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
-        if (few)
-            for (int64_t i = id; i < m; i += nt) lb_convert_row(x + i * ldx, k, xb + i * k2, 1);
-        else
+        const int64_t p0 = id * panels / nt, p1 = (id + 1) * panels / nt;
+        if (few) {
+            uint32_t *mine = xb + id * m * k2; /* nt <= threads slices */
+            for (int64_t i = 0; i < m; i++) lb_convert_row(x + i * ldx, k, mine + i * k2, 1);
+            lb_panels(p0, p1, m, n, k2, mine, packed, bias, y, ldy);
+        } else {
             for (int64_t t = id; t < tiles; t += nt) lb_pack_x(t, m, k, x, ldx, xb);
 #pragma omp barrier
-        lb_panels(id * panels / nt, (id + 1) * panels / nt, m, n, k2, xb, packed, bias, y, ldy);
+            lb_panels(p0, p1, m, n, k2, xb, packed, bias, y, ldy);
+        }
     }
     return 0;
 }
