@@ -3,7 +3,12 @@ constrained request, a token bitmask per sampling row each step, matchers advanc
 
 Owned by ``EngineCore``. A request with a constraint is held here (not in the scheduler) until
 its grammar is compiled by a worker thread (cached by ``constraint.key()``), then handed to the
-scheduler with a fresh matcher; the steps of every other request go on meanwhile. The
+scheduler with a fresh matcher; the steps of every other request go on meanwhile. Compiles
+queue per tenant in front of the threads (``FairExecutor``: round robin, and no tenant holds
+every thread), and the cache is bounded in entries and bytes (``CACHE_SIZE``,
+``CACHE_BYTES``: a grammar weighs what its compile allocated). A grammar whose matcher hits a
+limit of the grammar library mid-generation leaves the cache (its shared lexer state is spent:
+every later copy would fail at once). The
 scheduler sees this component only through ``TokenConstraints`` (``advance`` / ``rollback`` /
 ``forget``), so it stays free of grammar code.
 
@@ -19,10 +24,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Hashable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,17 +36,20 @@ import numpy as np
 from loraplex.engine.records import SchedulerOutput
 from loraplex.engine.request import Request
 from loraplex.grammar import (
+    CACHE_BYTES,
     CACHE_SIZE,
     CompiledGrammar,
+    FairExecutor,
     GrammarBackend,
     GrammarError,
     GrammarMatcher,
+    grammar_bytes,
 )
 from loraplex.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
-COMPILE_THREADS = 2  # a slow schema does not hold up the compile of the next one
+COMPILE_THREADS = 2  # one tenant's slow schema holds one; the other serves the other tenants
 IDLE_WAIT = 0.05  # seconds a step with nothing to run waits for a compile to finish
 
 
@@ -55,14 +64,27 @@ class StructuredOutputs:
     (on a worker thread, at the first constrained request: building a tokenizer's index takes
     about half a second); ``GrammarError`` from it fails the constrained requests only."""
 
-    def __init__(self, backend_factory: Callable[[], GrammarBackend]) -> None:
+    def __init__(
+        self,
+        backend_factory: Callable[[], GrammarBackend],
+        *,
+        threads: int = COMPILE_THREADS,
+        cache_size: int = CACHE_SIZE,
+        cache_bytes: int = CACHE_BYTES,
+    ) -> None:
         self._factory = backend_factory
-        self._backend: Future[GrammarBackend] | None = None
-        self._executor: ThreadPoolExecutor | None = None
-        # constraint key -> its compile (done or running); LRU over finished ones
+        self._backend: GrammarBackend | GrammarError | None = None
+        self._backend_lock = threading.Lock()
+        self._threads = threads
+        self._executor: FairExecutor | None = None
+        # constraint key -> its compile (done or running); LRU over finished ones, bounded by
+        # cache_size entries and cache_bytes (``_weight``: running compiles weigh their key)
         self._compiled: OrderedDict[str, Future[CompiledGrammar]] = OrderedDict()
+        self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
         self._waiting: dict[str, _Waiting] = {}  # request id -> held until its grammar is ready
         self._matchers: dict[str, GrammarMatcher] = {}  # request id -> its matcher
+        self._keys: dict[str, str] = {}  # request id -> its constraint's key (running ones)
         self._failed: dict[str, str] = {}  # request id -> why its matcher failed in a mask fill
         self.num_compiles = 0
         self.compile_seconds = 0.0  # total, in the worker threads
@@ -77,18 +99,24 @@ class StructuredOutputs:
 
     # ---- compiling -------------------------------------------------------------------------
 
-    def _pool(self) -> ThreadPoolExecutor:
+    def _pool(self) -> FairExecutor:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(
-                COMPILE_THREADS, thread_name_prefix="loraplex-grammar"
-            )
+            self._executor = FairExecutor(self._threads, "loraplex-grammar")
         return self._executor
 
     def _backend_now(self) -> GrammarBackend:
-        """The backend, waiting for it to be built (on a worker thread) if needed."""
-        if self._backend is None:
-            self._backend = self._pool().submit(self._factory)
-        return self._backend.result()
+        """The backend, built by the first caller (a compile thread); ``GrammarError`` from
+        the factory is kept and raised to every later caller."""
+        with self._backend_lock:
+            if self._backend is None:
+                try:
+                    self._backend = self._factory()
+                except GrammarError as exc:
+                    self._backend = exc
+            backend = self._backend
+        if isinstance(backend, GrammarError):
+            raise GrammarError(str(backend))
+        return backend
 
     def _compile(self, constraint: StructuredOutputsParams) -> CompiledGrammar:
         start = time.perf_counter()
@@ -98,8 +126,10 @@ class StructuredOutputs:
             self.num_compiles += 1
             self.compile_seconds += time.perf_counter() - start
 
-    def compile_async(self, constraint: StructuredOutputsParams) -> Future[CompiledGrammar]:
-        """The compile of ``constraint``: cached, or started now on a worker thread."""
+    def compile_async(
+        self, constraint: StructuredOutputsParams, tenant: Hashable = None
+    ) -> Future[CompiledGrammar]:
+        """The compile of ``constraint``: cached, or queued now in ``tenant``'s line."""
         key = constraint.key()
         future = self._compiled.get(key)
         if future is not None and (not future.done() or _kept(future)):
@@ -107,23 +137,43 @@ class StructuredOutputs:
             return future
         # A failure other than GrammarError (a backend bug, a resource error) is not kept:
         # the next request with this constraint compiles it again.
-        if self._backend is None:
-            self._backend = self._pool().submit(self._factory)
-        future = self._pool().submit(self._compile, constraint)
+        future = self._pool().submit(tenant, self._compile, constraint)
         self._compiled[key] = future
-        while len(self._compiled) > CACHE_SIZE:
-            oldest, f = next(iter(self._compiled.items()))
-            if not f.done():
-                break
-            del self._compiled[oldest]
+        self._evict()
         return future
+
+    @property
+    def cache_nbytes(self) -> int:
+        """What the cached compiles weigh now (see ``_weight``)."""
+        return sum(_weight(k, f) for k, f in self._compiled.items())
+
+    def _evict(self) -> None:
+        """Least recently used finished compiles out while over either bound (running ones
+        stay: a request waits on them)."""
+        total = self.cache_nbytes
+        for key, future in list(self._compiled.items()):
+            if len(self._compiled) <= self.cache_size and total <= self.cache_bytes:
+                break
+            if not future.done() or len(self._compiled) == 1:
+                continue
+            total -= _weight(key, future)
+            del self._compiled[key]
+
+    def forget_grammar(self, key: str) -> None:
+        """Drop ``key``'s compiled grammar (its matchers hit a limit of the grammar library:
+        the lexer state they share is spent), so the next request compiles it afresh."""
+        future = self._compiled.get(key)
+        if future is not None and future.done():
+            del self._compiled[key]
 
     def check(self, constraint: StructuredOutputsParams) -> None:
         """Compile now and wait (the offline API validates before it runs anything);
         ``GrammarError`` when the constraint cannot be enforced."""
         try:
             self.compile_async(constraint).result()
+            self._evict()
         except GrammarError:
+            self._evict()
             raise
         except Exception as exc:
             raise GrammarError(_failure(exc)) from exc
@@ -138,9 +188,10 @@ class StructuredOutputs:
             return True
         if req.request_id in self._waiting:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        future = self.compile_async(constraint)
+        future = self.compile_async(constraint, req.tenant)
         if future.done() and not future.cancelled() and future.exception() is None:
             self._matchers[req.request_id] = future.result().matcher()
+            self._keys[req.request_id] = constraint.key()
             return True
         if req.queued_time is None:
             req.queued_time = time.monotonic()  # the compile wait is queue time too
@@ -158,6 +209,8 @@ class StructuredOutputs:
             if not w.future.done():
                 continue
             del self._waiting[rid]
+            if not ready and not failed:
+                self._evict()  # a compile finished: its weight is known now
             if w.future.cancelled():  # the engine is shutting down
                 failed.append((w.request, "the engine stopped before the grammar compiled"))
                 continue
@@ -168,6 +221,9 @@ class StructuredOutputs:
                 except Exception as e:
                     failed.append((w.request, _failure(e)))
                     continue
+                constraint = w.request.params.structured_outputs
+                if constraint is not None:
+                    self._keys[rid] = constraint.key()
                 ready.append(w.request)
             else:
                 failed.append((w.request, _failure(exc)))
@@ -225,12 +281,20 @@ class StructuredOutputs:
                     self._failed[rows[i][1]] = _failure(exc)
         for i, (m, rid) in enumerate(rows):
             if rid in self._failed:
+                self._spent(rid)
                 continue
             why = m.error
             if why is not None or not bitmask[i].any():
                 self._failed[rid] = why or "the grammar allows no token here"
+                self._spent(rid)
                 continue
             out.token_masks[rid] = bitmask[i]
+
+    def _spent(self, request_id: str) -> None:
+        """``request_id``'s matcher failed: its grammar leaves the cache (see the module)."""
+        key = self._keys.get(request_id)
+        if key is not None:
+            self.forget_grammar(key)
 
     # ---- TokenConstraints: what the scheduler calls --------------------------------------
 
@@ -247,6 +311,7 @@ class StructuredOutputs:
         if token_id in req.eos_token_ids and matcher.is_accepting():
             return True  # EOS where the grammar may end (an ignore_eos request)
         if not matcher.accept_token(token_id):
+            self._spent(rid)
             raise GrammarError(
                 f"the grammar refused token {token_id}: {matcher.error or 'not allowed here'}"
             )
@@ -262,6 +327,7 @@ class StructuredOutputs:
     def forget(self, request_id: str) -> None:
         """The request finished or was aborted."""
         self._matchers.pop(request_id, None)
+        self._keys.pop(request_id, None)
         self._failed.pop(request_id, None)
         self._waiting.pop(request_id, None)
 
@@ -270,7 +336,7 @@ class StructuredOutputs:
 
     def shutdown(self) -> None:
         if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor.shutdown(cancel=True)
 
 
 def _kept(future: Future[CompiledGrammar]) -> bool:
@@ -280,6 +346,16 @@ def _kept(future: Future[CompiledGrammar]) -> bool:
         return False
     exc = future.exception()
     return exc is None or isinstance(exc, GrammarError)
+
+
+def _weight(key: str, future: Future[CompiledGrammar]) -> int:
+    """A cache entry's bytes: its key, and its grammar (``grammar_bytes``) or refusal."""
+    if not future.done() or future.cancelled():
+        return len(key)
+    exc = future.exception()
+    if exc is not None:
+        return len(key) + len(str(exc))
+    return len(key) + grammar_bytes(future.result())
 
 
 def _failure(exc: BaseException) -> str:

@@ -18,12 +18,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import llguidance as llg
+import numpy as np
 
 from loraplex.grammar.base import GrammarError, GrammarMatcher, check_limits
+from loraplex.grammar.memory import allocated_bytes
+from loraplex.grammar.precheck import precheck
+from loraplex.grammar.schema_check import locate_pattern
 from loraplex.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
-    import numpy as np
     from llguidance._lib import JsonCompileOptions
     from numpy.typing import NDArray
 
@@ -36,7 +39,32 @@ JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
 JSON_FRACTION_DIGITS = 8
 _DATA_KEYS = frozenset({"enum", "const", "default", "examples"})  # values, not subschemas
 
+# llguidance's limits on one grammar, below its defaults where they let one request cost the
+# process: the initial lexer fuel (default 1,000,000) let ((a{100}){100}){100} build 155 MB of
+# lexer state at its first mask; 50,000 keeps that to 2 MB and still compiles a 73k-character
+# form schema and the bench corpora (scripts in the commit message). Lexer states cost 1-2 kB
+# each: 20,000 bounds what a grammar can grow to while it serves (default 250,000). Errors
+# without the parser's state (verbose_errors): a message goes to a client.
+INITIAL_LEXER_FUEL = 50_000
+MAX_LEXER_STATES = 20_000
+# A compiled grammar weighs at least this much in the byte-bounded caches, whatever the
+# allocator says (``memory.allocated_bytes`` is process-wide: another thread may free meanwhile).
+MIN_GRAMMAR_BYTES = 16 * 1024
+BYTES_PER_GRAMMAR_CHAR = 16
+
 _EXCERPT = re.compile(r"^\d+ \| ")
+_REGEX_IN_AST = re.compile(r"\((?:Search)?Regex /(.*?)/\)")
+_AST = re.compile(r":?\s*\((?:And|Or|Not|Concat|SearchRegex|Regex|Repeat) .*$", re.S)
+_TOO_COMPLEX = (
+    "too many expressions",
+    "lexer precomputation failed",
+    "initial lexer configuration",
+    "Too many items",
+    "fuel exhausted",
+    "TooComplex",
+    "grammar too large",
+    "max_lexer_states",
+)
 _WHAT = {
     "json": "the JSON schema",
     "json_object": "the JSON object constraint",
@@ -125,9 +153,59 @@ def grammar_text(constraint: StructuredOutputsParams, bounded: bool = True) -> s
         raise GrammarError(f"the grammar cannot be read: {exc}") from exc
 
 
+def parser_limits() -> llg.LLParserLimits:
+    """The limits every grammar is compiled with (see ``INITIAL_LEXER_FUEL``)."""
+    return llg.LLParserLimits(
+        initial_lexer_fuel=INITIAL_LEXER_FUEL,
+        max_lexer_states=MAX_LEXER_STATES,
+        verbose_errors=False,
+    )
+
+
+def plain(why: str) -> str:
+    """llguidance's message without its internals: the parser state it may append, and the
+    regex syntax trees it quotes."""
+    for mark in ("<state>", "<non-verbose/>"):
+        why = why.split(mark, 1)[0]
+    return _AST.sub("", why.strip()).strip()
+
+
 def describe(constraint: StructuredOutputsParams, why: str) -> str:
     """A message for a person: what could not be enforced, llguidance's reason (which names the
-    keyword, or the line and column), and what to do."""
+    keyword, or the line and column) in plain words, and what to do."""
+    what = _WHAT[constraint.kind]
+    raw = why
+    why = plain(why)
+    if why.startswith("NoExtension"):
+        named = what
+        if constraint.kind == "regex" and constraint.regex is not None:
+            named = f"the regex `{constraint.regex[:60]}`"
+        return (
+            f"{named} matches no output: nothing can be generated from its start; send a "
+            f"{'regex' if constraint.kind == 'regex' else 'constraint'} that some text satisfies"
+        )
+    if any(mark in raw for mark in _TOO_COMPLEX):
+        return (
+            f"{what} is too complex to enforce within the server's limits on a grammar's "
+            "size and lexer; simplify it (fewer or smaller counted repetitions, fewer "
+            "alternatives that overlap) and send the request again"
+        )
+    if "Regex is empty" in raw or "determine if regex is empty" in raw:
+        found = _REGEX_IN_AST.findall(raw)
+        where = None
+        if found and constraint.kind == "json":
+            where = locate_pattern(constraint.json, found[0])
+        at = f" (at {where})" if where else ""
+        if "Unable" in raw:
+            return (
+                f"{what} makes one string match patterns{at} too complex to intersect; join "
+                "them into one pattern and send the request again"
+            )
+        pattern = f" `{found[0][:60]}`" if found else ""
+        return (
+            f"{what} has a pattern{pattern}{at} that matches no string; fix it and send the "
+            "request again"
+        )
     # One line: llguidance's source excerpts ("   1 | start: ...") and carets only make sense
     # in a monospace block, the position ("at 1(8)") stays.
     lines = [ln.strip() for ln in why.splitlines()]
@@ -145,7 +223,7 @@ def describe(constraint: StructuredOutputsParams, why: str) -> str:
         hint = "no value satisfies it: loosen the bounds"
     else:
         hint = "fix it and send the request again"
-    return f"{_WHAT[constraint.kind]} cannot be enforced: {why}; {hint}"
+    return f"{what} cannot be enforced: {why}; {hint}"
 
 
 class LLGuidanceMatcher:
@@ -174,7 +252,7 @@ class LLGuidanceMatcher:
         if num_tokens and not self.llmatcher.rollback(num_tokens):
             raise GrammarError(
                 f"the grammar matcher cannot roll back {num_tokens} tokens: "
-                f"{self.llmatcher.get_error() or 'fewer were consumed'}"
+                f"{plain(self.llmatcher.get_error()) or 'fewer were consumed'}"
             )
 
     def reset(self) -> None:
@@ -185,14 +263,17 @@ class LLGuidanceMatcher:
         m = self.llmatcher
         if not m.is_error():
             return None
-        return str(m.get_error()) or "the grammar matcher failed"
+        return plain(str(m.get_error())) or "the grammar matcher failed"
 
 
 class LLGuidanceGrammar:
-    """A compiled constraint: a template matcher at the start of the grammar."""
+    """A compiled constraint: a template matcher at the start of the grammar, and what it weighs
+    (``nbytes``: allocated over its compile and first mask, at least ``MIN_GRAMMAR_BYTES`` and
+    ``BYTES_PER_GRAMMAR_CHAR`` a character of its grammar)."""
 
-    def __init__(self, template: llg.LLMatcher) -> None:
+    def __init__(self, template: llg.LLMatcher, nbytes: int = MIN_GRAMMAR_BYTES) -> None:
         self._template = template
+        self.nbytes = nbytes
 
     def matcher(self) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self._template.deep_copy())
@@ -215,16 +296,36 @@ class LLGuidanceBackend:
         self._lock = threading.Lock()
 
     def compile(self, constraint: StructuredOutputsParams) -> LLGuidanceGrammar:
+        """Bounded: the sizes (``check_limits``), the constructs no llguidance limit bounds
+        (``precheck``), then llguidance under ``parser_limits``, and a first mask (a grammar
+        that matches nothing fails there, not at a request's first step)."""
         check_limits(constraint)
+        text = grammar_text(constraint)
+        precheck(constraint, text if constraint.kind == "grammar" else None)
+        before = allocated_bytes()
         # LLMatcher never raises for a bad grammar: it starts in an error state instead. It
         # releases the GIL while it builds the lexer (up to a second for huge schemas).
-        template = llg.LLMatcher(self.tokenizer, grammar_text(constraint), log_level=0)
+        template = llg.LLMatcher(self.tokenizer, text, log_level=0, limits=parser_limits())
         if template.is_error() and constraint.kind == "json":
             # the schema as it was sent: its own error, or a range the number bound emptied
-            template = llg.LLMatcher(self.tokenizer, grammar_text(constraint, False), log_level=0)
-        if template.is_error():
-            raise GrammarError(describe(constraint, str(template.get_error())))
-        return LLGuidanceGrammar(template)
+            text = grammar_text(constraint, False)
+            template = llg.LLMatcher(self.tokenizer, text, log_level=0, limits=parser_limits())
+        why = str(template.get_error()) if template.is_error() else self._first_mask(template)
+        if why:
+            raise GrammarError(describe(constraint, why))
+        after = allocated_bytes()
+        kept = after - before if before is not None and after is not None else 0
+        floor = MIN_GRAMMAR_BYTES + BYTES_PER_GRAMMAR_CHAR * len(text)
+        return LLGuidanceGrammar(template, max(kept, floor))
+
+    def _first_mask(self, template: llg.LLMatcher) -> str:
+        """llguidance's error at the grammar's first mask (computed on a copy), or ""."""
+        probe = template.deep_copy()
+        words = np.zeros(-(-self.vocab_size // 32), dtype=np.int32)
+        probe.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        if probe.is_error():
+            return str(probe.get_error())
+        return "" if words.any() else "NoExtension"
 
     def fill_bitmasks(
         self, matchers: Sequence[tuple[GrammarMatcher, int]], bitmask: NDArray[np.int32]

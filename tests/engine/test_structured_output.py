@@ -506,3 +506,63 @@ def test_the_embedded_model_fills_a_schema_and_picks_a_choice() -> None:
     person_out = json.loads(outs[0].outputs[0].text)
     assert person_out["age"] == 42 and "John" in person_out["name"], person_out
     assert outs[1].outputs[0].text == "positive"
+
+
+# ---- bounded compiles (issue 31 points 2 and 4) -----------------------------------------------
+
+
+def test_one_tenants_slow_compiles_do_not_hold_another_tenants(model_dir: str) -> None:
+    """Two held compiles of tenant a (two 70-tool grammars, say) take at most one of the two
+    compile threads: tenant b's json_object compiles and runs meanwhile. Before the per-tenant
+    queue both threads were a's, and b waited for a's compiles."""
+    engine, gated = gated_engine(model_dir)
+    for i in range(2):
+        slow = SO(json={**PERSON, "description": f"SLOW {i}"}, disable_any_whitespace=True)
+        engine.add_request(f"a{i}", "slow", params(slow, temperature=0.0), tenant="a")
+    assert gated.compile_started.wait(10)
+    start = time.perf_counter()
+    other = SO(json_object=True, disable_any_whitespace=True)
+    engine.add_request("b", "quick", SamplingParams(max_tokens=3, structured_outputs=other),
+                       tenant="b")  # fmt: skip
+    done: dict[str, RequestOutput] = {}
+    while "b" not in done and time.perf_counter() - start < 5:
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    waited = time.perf_counter() - start
+    gated.gate.set()
+    assert "b" in done and waited < 1.0, waited
+    assert not {"a0", "a1"} & set(done)  # still held when b was done
+    done.update(run(engine))
+    assert {"a0", "a1"} <= set(done)
+
+
+@pytest.mark.timeout(180)
+def test_heavy_regexes_leave_the_engines_memory_bounded(model_dir: str) -> None:
+    """100 distinct costly regexes through an engine in a child process (3 GiB address space,
+    2 minutes): the nested counts are refused before compiling, the rest stay within the
+    cache's byte bound, and the engine's RSS grows by under 300 MB. Before: the child aborted
+    at its memory limit (issue 31's 2.5 -> 8.8 GB)."""
+    from loraplex.grammar import CACHE_BYTES
+    from tests.utils.grammar_attacks import run_bounded
+
+    rc, lines, err = run_bounded(
+        "tests.utils.grammar_attacks", ["--engine", model_dir], memory_mb=4096, timeout=150
+    )
+    assert rc == 0 and lines, f"the child died ({rc}): {err}"
+    (result,) = lines
+    assert result["refused"] == 50
+    assert result["cache_bytes"] <= CACHE_BYTES
+    assert result["rss_growth_mb"] < 300, result
+
+
+def test_a_grammar_whose_matcher_failed_leaves_the_cache(model_dir: str) -> None:
+    """Matchers of one grammar share its lexer state: one that hit a limit of the grammar
+    library would fail every later copy at once, so its grammar is compiled afresh."""
+    engine, _ = gated_engine(model_dir)
+    fill = SO(json={**PERSON, "description": "FILL"}, disable_any_whitespace=True)
+    good = COMPACT
+    engine.add_request("fill", "x", params(fill, temperature=0.0))
+    engine.add_request("good", "y", params(good, temperature=0.0))
+    done = run(engine)
+    assert done["fill"].outputs[0].finish_reason == "error"
+    compiled = engine.core.structured._compiled
+    assert fill.key() not in compiled and good.key() in compiled

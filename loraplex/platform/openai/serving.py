@@ -166,7 +166,7 @@ class OpenAIServing:
         bound = estimate_bound(bounds, body.n or 1, max_tokens or default, limit)
         lease = await self._admit(request, record, caller, bound)
         with _released_on_failure(lease):
-            structured = await self._compiled(constraint, tokenizer)
+            structured = await self._compiled(constraint, tokenizer, caller.tenant_id)
             prompts = await self.prompts.completion(tokenizer, body, items, limit)
             if max_tokens is None:
                 max_tokens = default_max_tokens(default, prompts, limit)
@@ -295,7 +295,7 @@ class OpenAIServing:
             tokenizer = await self.tokenizer()
             template = template_tools(getattr(tokenizer, "chat_template", None))
             structured = await self._compiled(
-                with_tools(constraint, plan, template.format), tokenizer
+                with_tools(constraint, plan, template.format), tokenizer, caller.tenant_id
             )
             prompt = await self.prompts.chat(
                 tokenizer,
@@ -501,13 +501,14 @@ class OpenAIServing:
         return count
 
     async def _compiled(
-        self, constraint: Constraint | None, tokenizer: Any
+        self, constraint: Constraint | None, tokenizer: Any, tenant: str | None = None
     ) -> StructuredOutputsParams | None:
-        """The constraint, compiled once with the served tokenizer in a worker thread: a 400
-        here for what the backend cannot enforce, before the request reaches the engine."""
+        """The constraint, compiled once with the served tokenizer in a worker thread (in
+        ``tenant``'s line): a 400 here for what the backend cannot enforce, before the request
+        reaches the engine."""
         if constraint is None:
             return None
-        await self.constraints.check(constraint, tokenizer)
+        await self.constraints.check(constraint, tokenizer, tenant)
         return constraint.params
 
     def _params(

@@ -12,21 +12,22 @@ Where a request may say it (OpenAI's and vLLM's spellings)::
 
 A request may carry one constraint: two (``response_format`` and ``guided_regex``, or two keys of
 ``structured_outputs``) are a 400 naming both. Every size is bounded before any work (the schema's
-bytes and nesting, the regex's and grammar's length, the number and length of choices), and the
-constraint is compiled with the served tokenizer (``loraplex.grammar.check``, cached by the
-constraint's key) in a worker thread: a schema or grammar the backend cannot enforce is a 400
-naming what is wrong, and the engine never sees it.
+bytes and nesting, the regex's and grammar's length, the number and length of choices; no
+``x-guidance`` in a schema), and the constraint is compiled with the served tokenizer in a worker
+thread (``ConstraintChecker``: the grammar layer's bounded compile, a verdict cached by the
+constraint's key, threads shared fairly between tenants): a constraint that cannot be satisfied
+or compiled within the bounds is a 400 ``invalid_constraint`` naming the field and the part of it
+(the schema path, the regex, the rule), and the engine never sees it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
-
-import anyio
-import anyio.to_thread
 
 from loraplex.grammar import (
     MAX_CHOICE_CHARS,
@@ -34,9 +35,13 @@ from loraplex.grammar import (
     MAX_GRAMMAR_CHARS,
     MAX_REGEX_CHARS,
     MAX_SCHEMA_CHARS,
+    FairExecutor,
+    GrammarBackend,
     GrammarError,
-    check,
+    LLGuidanceBackend,
+    Verdicts,
 )
+from loraplex.grammar.precheck import check_schema as precheck_schema
 from loraplex.platform.errors import APIError, invalid_request, shorten
 from loraplex.platform.openai.protocol import SamplingFields
 from loraplex.sampling_params import StructuredOutputsParams
@@ -241,14 +246,23 @@ def _schema_value(value: Any, param: str) -> dict[str, Any]:
 
 
 def check_schema(schema: Mapping[str, Any], param: str) -> None:
-    """400 when ``schema`` is longer than ``MAX_SCHEMA_CHARS`` as compact JSON or nested deeper
-    than ``MAX_SCHEMA_DEPTH``."""
+    """400 when ``schema`` is longer than ``MAX_SCHEMA_CHARS`` as compact JSON, nested deeper
+    than ``MAX_SCHEMA_DEPTH``, or holds a construct the grammar layer refuses before compiling
+    (``x-guidance``, counted repetitions, too many patterns at once, a ``$ref`` cycle: see
+    ``loraplex.grammar.precheck``), named by its path. Here, so a tool's schema is refused
+    under its own field before the tools' grammar embeds it."""
     depth = _depth(schema)  # first: a deep value would overflow json.dumps' recursion
     if depth > MAX_SCHEMA_DEPTH:
         raise _too_deep(param)
     size = len(json.dumps(schema, separators=(",", ":")))
     if size > MAX_SCHEMA_CHARS:
         raise _schema_too_large(param, size)
+    try:  # the constructs the grammar layer refuses before compiling, named by their path
+        precheck_schema(schema, "the schema", guidance=False)
+    except GrammarError as exc:
+        raise invalid_request(
+            f"{param}: {shorten(str(exc), 600)}.", param, "invalid_constraint"
+        ) from None
 
 
 def _too_deep(param: str) -> APIError:
@@ -329,34 +343,69 @@ def _choices(value: Any, param: str) -> tuple[str, ...]:
 
 
 class ConstraintChecker:
-    """Compiles constraints with the served tokenizer in worker threads (at most
-    ``CHECK_THREADS`` at once), so that a schema the backend refuses is a 400 before the
-    engine sees it, and a slow schema never stalls the event loop."""
+    """Compiles constraints with the served tokenizer on ``threads`` worker threads shared
+    fairly between tenants (``FairExecutor``: one tenant's slow compiles queue behind its own),
+    so that a constraint the grammar layer refuses is a 400 before the engine sees it, and a
+    slow one never stalls the event loop. Keeps verdicts (``Verdicts``, bounded), never
+    compiled grammars; a verdict already known answers without a thread.
 
-    def __init__(self, threads: int = CHECK_THREADS) -> None:
-        self._limiter = anyio.CapacityLimiter(threads)
+    ``backend``: builds the grammar backend for a tokenizer (a test's hook: a held compile)."""
 
-    async def check(self, constraint: Constraint, tokenizer: Any) -> None:
+    def __init__(
+        self,
+        threads: int = CHECK_THREADS,
+        backend: Callable[[Any], GrammarBackend] = LLGuidanceBackend,
+    ) -> None:
+        self._executor = FairExecutor(threads, "loraplex-check")
+        self._backend = backend
+        self._lock = threading.Lock()
+        self._verdicts: tuple[Any, Verdicts] | None = None  # (the tokenizer, its verdicts)
+
+    async def check(self, constraint: Constraint, tokenizer: Any, tenant: Hashable = None) -> None:
+        """400 (``APIError``) when ``constraint`` cannot be enforced; ``tenant``: whose line
+        the compile waits in."""
+        verdicts = self._verdicts_now(tokenizer)
+        known = verdicts.known(constraint.params) if verdicts is not None else None
         try:
-            await anyio.to_thread.run_sync(
-                check, constraint.params, tokenizer, limiter=self._limiter
-            )
+            if known is None:
+                job = self._executor.submit(tenant, self._check, constraint.params, tokenizer)
+                await asyncio.wrap_future(job)
+            elif known:
+                raise GrammarError(known)
         except GrammarError as exc:
             raise grammar_error(constraint, str(exc)) from None
 
+    def _verdicts_now(self, tokenizer: Any) -> Verdicts | None:
+        with self._lock:
+            if self._verdicts is not None and self._verdicts[0] is tokenizer:
+                return self._verdicts[1]
+        return None
+
+    def _check(self, params: StructuredOutputsParams, tokenizer: Any) -> None:
+        """On a worker thread: the verdicts of ``tokenizer`` (its backend built on first use:
+        about half a second for a 50k vocabulary), then the check."""
+        verdicts = self._verdicts_now(tokenizer)
+        if verdicts is None:
+            built = Verdicts(self._backend(tokenizer))
+            with self._lock:
+                if self._verdicts is None or self._verdicts[0] is not tokenizer:
+                    self._verdicts = (tokenizer, built)
+                verdicts = self._verdicts[1]
+        verdicts.check(params)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(cancel=True)
+
 
 def grammar_error(constraint: Constraint, reason: str) -> APIError:
-    """The grammar layer's refusal (it names the keyword and what to do), as a 400 naming the
-    request's field. A grammar loraplex wrote (tool calls) is spoken of as its ``subject``."""
-    kind = constraint.params.kind
-    code = "invalid_schema" if kind in ("json", "json_object") else f"invalid_{kind}"
-    if constraint.subject is not None:
-        code = "invalid_schema"
-        if reason.startswith("the grammar"):
-            reason = f"the {constraint.subject}" + reason.removeprefix("the grammar")
+    """The grammar layer's refusal (it names the keyword, the schema path, the regex or the
+    rule, and what to do), as a 400 ``invalid_constraint`` naming the request's field. A
+    grammar loraplex wrote (tool calls) is spoken of as its ``subject``."""
+    if constraint.subject is not None and reason.startswith("the grammar"):
+        reason = f"the {constraint.subject}" + reason.removeprefix("the grammar")
     reason = shorten(reason, 600)
     return invalid_request(
         f"{constraint.param}: {reason}{'' if reason.endswith('.') else '.'}",
         constraint.param,
-        code,
+        "invalid_constraint",
     )

@@ -306,16 +306,16 @@ async def test_the_compile_runs_off_the_event_loop(
 ) -> None:
     import threading
 
-    from loraplex.platform.openai import structured
+    from loraplex.grammar.llg import LLGuidanceBackend
 
     seen: list[bool] = []
-    real = structured.check
+    real = LLGuidanceBackend.compile
 
-    def spy(constraint: StructuredOutputsParams, tokenizer: Any) -> None:
+    def spy(self: LLGuidanceBackend, constraint: StructuredOutputsParams) -> Any:
         seen.append(threading.current_thread() is threading.main_thread())
-        real(constraint, tokenizer)
+        return real(self, constraint)
 
-    monkeypatch.setattr(structured, "check", spy)
+    monkeypatch.setattr(LLGuidanceBackend, "compile", spy)
     await _sent(api, "chat", guided_regex="[0-9]+")
     assert seen == [False]
 

@@ -433,7 +433,7 @@ async def test_a_tool_schema_the_backend_refuses_is_a_400_before_the_engine(
     )
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert (error["param"], error["code"]) == ("tools", "invalid_schema")
+    assert (error["param"], error["code"]) == ("tools", "invalid_constraint")
     assert "strin" in error["message"] and "parameter schemas" in error["message"]
     assert qwen_api.submitted == []
 
