@@ -37,17 +37,25 @@ class LoraplexBackend:
     def info(self) -> dict[str, Any]:
         import torch
 
+        from loraplex.engine.models.layers import Linear
         from loraplex.kernels import native
 
-        model = self.llm.llm_engine.core.runner.model
+        runner = self.llm.llm_engine.core.runner
+        model = runner.model
         params = {id(p): p for p in model.parameters()}.values()  # tied embeddings count once
+        read = sum(p.numel() * p.element_size() for p in params)
+        for m in model.modules():  # a step reads a linear's packed copy, not its weight
+            if isinstance(m, Linear) and m.packed is not None:
+                read += m.packed.numel() * m.packed.element_size()
+                read -= m.weight.numel() * m.weight.element_size()
         return {
             "system": "loraplex",
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
             "native_kernels": native.library() is not None,
-            "weight_bytes": sum(p.numel() * p.element_size() for p in params),
-            "weight_dtype": str(next(iter(params)).dtype).removeprefix("torch."),
+            "weight_bytes": read,  # what one decode step reads (packed copies where they exist)
+            "weight_dtype": runner.precision.name,
+            "dtype_reason": runner.precision.reason,
             "num_parameters": sum(p.numel() for p in params),
         }
 
