@@ -296,16 +296,22 @@ def _line(figure: dict[str, Any]) -> str:
 
 
 def _cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or the platform's processor string."""
+    """The CPU's model name with its family and model numbers (``/proc/cpuinfo``: a VM may name
+    only the vendor's line, e.g. AMD EPYC; family 25 model 17 is Zen 4), or the platform's
+    processor string."""
     import platform
 
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        return f"{name} (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def _iters_for(side: Callable[[], object], target_s: float = 0.02) -> int:
