@@ -19,7 +19,7 @@ from loraplex.grammar import GrammarBackend, LLGuidanceBackend
 from loraplex.platform.errors import APIError
 from loraplex.platform.openai.structured import Constraint, ConstraintChecker
 from loraplex.sampling_params import StructuredOutputsParams as SO
-from tests.utils.grammar_attacks import CASES, INTERNALS
+from tests.utils.grammar_attacks import CASES, INTERNALS, rss_mb
 from tests.utils.scripted import ScriptedAPI, scripted_api, smollm2_dir
 from tests.utils.structured import write_byte_tokenizer
 
@@ -53,9 +53,11 @@ async def test_each_unsatisfiable_or_runaway_constraint_is_a_clean_400(
 ) -> None:
     constraint, words = CASES[name]
     fields, param = _fields(constraint)
+    before = rss_mb()
     start = time.perf_counter()
     r = await api.http.post("/v1/chat/completions", json={**CHAT, **fields})
     seconds = time.perf_counter() - start
+    grown = rss_mb() - before
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert (error["code"], error["param"], error["type"]) == (
@@ -66,7 +68,7 @@ async def test_each_unsatisfiable_or_runaway_constraint_is_a_clean_400(
     message = error["message"]
     assert message.startswith(f"{param}: ") and words in message, message
     assert not [bad for bad in INTERNALS if bad in message], message
-    assert seconds < 2.0, seconds
+    assert seconds < 2.0 and grown < 200, (seconds, grown)  # the API process's time and RSS
     assert api.submitted == []
 
 
