@@ -1,4 +1,4 @@
-"""Mixed-adapter batches against PEFT, greedy, fp32: every prompt of one ``generate()`` call, for
+"""Mixed-adapter batches against PEFT, greedy, fp32 (and bf16 on CPUs with bf16 units): every prompt of one ``generate()`` call, for
 the base model or any of 4 adapters (ranks 4/8/16/64, different target modules), gets the tokens
 PEFT gives that prompt alone with that adapter. Comparison rule: tests/utils/reference.py (top-5 noise).
 """
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from loraplex import LoRARequest, SamplingParams
+from loraplex.kernels import packed_gemm
 from loraplex.llm import LLM
 from tests.utils.models import make_adapter, make_tiny_model
 from tests.utils.reference import TOP, assert_close, greedy_reference, traces
@@ -140,3 +141,35 @@ def test_adapters_change_outputs(setup) -> None:  # type: ignore[no-untyped-def]
     for name, path in adapters.items():
         out = llm.generate(prompt, p, lora_request=LoRARequest(name, path), use_tqdm=False)
         assert out[0].outputs[0].token_ids != base, name
+
+
+@pytest.mark.skipif(
+    not packed_gemm.bf16_supported(),
+    reason="this CPU has no AVX512-BF16 (or no C compiler): the bf16 path is not built here",
+)
+def test_mixed_batch_matches_peft_in_bf16(setup) -> None:  # type: ignore[no-untyped-def]
+    """The bf16 path (bf16 matrix products, fp32 accumulation and activations) against PEFT
+    with a bf16 base model, by the same rule: each side's token among the other's top 5 where
+    they differ."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model_dir, adapters, names, prompts, max_tokens, _ = setup
+    ref: dict[int, object] = {}
+    for name in [None, *ADAPTERS]:
+        idx = [i for i, n in enumerate(names) if n == name]
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+        model = base if name is None else PeftModel.from_pretrained(base, adapters[name])
+        out = greedy_reference(model, [prompts[i] for i in idx], [max_tokens[i] for i in idx])
+        ref.update(zip(idx, out, strict=True))
+    llm = LLM(model_dir, max_model_len=128, dtype="bfloat16", max_loras=4)
+    assert llm.llm_engine.core.runner.precision.gemm_dtype == torch.bfloat16
+    loras = [None if n is None else LoRARequest(n, adapters[n]) for n in names]
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=TOP)
+        for n in max_tokens
+    ]
+    ours = traces(llm.generate(prompts, params, lora_request=loras, use_tqdm=False))
+    labels = [f"prompt {i} ({n or 'base'})" for i, n in enumerate(names)]
+    diverged = assert_close(ours, [ref[i] for i in range(len(names))], labels)  # type: ignore[misc]
+    assert diverged <= len(names) // 2, f"{diverged} of {len(names)} sequences diverged"
