@@ -81,9 +81,9 @@ def _count_compiles(env: TenancyEnv, monkeypatch: pytest.MonkeyPatch) -> list[An
     compiled: list[Any] = []
     check = checker.check
 
-    async def counting(constraint: Any, tokenizer: Any) -> None:
+    async def counting(constraint: Any, tokenizer: Any, tenant: Any = None) -> None:
         compiled.append(constraint)
-        await check(constraint, tokenizer)
+        await check(constraint, tokenizer, tenant)
 
     monkeypatch.setattr(checker, "check", counting)
     return compiled
