@@ -18,7 +18,7 @@ from loraplex.engine.runner import ModelRunner
 from loraplex.engine.scheduler import Scheduler
 from loraplex.engine.spec.build import build_proposer, build_spec_decoder
 from loraplex.engine.spec.decoder import SpecDecoder
-from loraplex.engine.structured import StructuredOutputs
+from loraplex.engine.structured import MASK_TOKENS_PER_SECOND, StructuredOutputs
 from loraplex.engine.tensor_parallel import WorkerGroup
 from loraplex.engine.thread_governor import ThreadGovernor
 from loraplex.grammar import GrammarBackend, LLGuidanceBackend
@@ -144,6 +144,10 @@ class EngineCore:
             max_loras=config.lora.max_loras,
             constraints=self.structured,
             residency=self.adapters,
+        )
+        waiting = self.scheduler.waiting
+        self.structured.on_mask_cost = lambda tenant, seconds: waiting.charge_work(
+            tenant, seconds * MASK_TOKENS_PER_SECOND
         )
         self.spec: SpecDecoder | None = None
         if proposer is not None and config.speculative_config is not None:

@@ -263,8 +263,9 @@ class FairQueue:
         if active:
             self._floor = min(active)
 
-    def charge_load(self, tenant: Tenant, cost: float) -> None:
-        """Adapter loads are service too: the pool's pages and the copy are the tenant's."""
+    def charge_work(self, tenant: Tenant, cost: float) -> None:
+        """Adapter loads and mask work are service too: the pool's pages, the copy and the
+        mask time are the tenant's."""
         self._seen(tenant)
         self._counters[tenant] += cost / self._weight(tenant)
 

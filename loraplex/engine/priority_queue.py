@@ -79,7 +79,7 @@ class PriorityQueue:
     def charge(self, served: Sequence[Service], running: Sequence[Request]) -> None:
         pass
 
-    def charge_load(self, tenant: str | None, cost: float) -> None:
+    def charge_work(self, tenant: str | None, cost: float) -> None:
         pass
 
     def set_tenant_weights(self, weights: Mapping[str, float]) -> None:

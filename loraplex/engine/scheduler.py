@@ -18,7 +18,7 @@ skipped, with a bound on how long a cold adapter waits). The step's adapter plan
 start, slot rows to point) goes to the runner in ``SchedulerOutput.lora_plan``; finished copies
 come back in ``RunnerOutput.lora_loads``. A request whose adapter ``Failed`` ends alone with
 ``finish_reason`` "error" and the reason (``error_code`` "adapter_failed"); the step goes on.
-Adapter loads are charged to the tenant that caused them (``WaitingQueue.charge_load``).
+Adapter loads are charged to the tenant that caused them (``WaitingQueue.charge_work``).
 
 Priority preemption (policies "priority" and "fair"): when the request the policy would admit
 next finds no seat (``max_num_seqs``) or no KV room, running requests the policy names
@@ -375,7 +375,7 @@ class Scheduler:
             )
 
     def _charge_load(self, tenant: Tenant, nbytes: int) -> None:
-        self.waiting.charge_load(tenant, nbytes / LOAD_BYTES_PER_TOKEN)
+        self.waiting.charge_work(tenant, nbytes / LOAD_BYTES_PER_TOKEN)
 
     def _mark_victims(self, req: Request, hits: list[int], blocks: int = 0) -> None:
         """``req`` found no seat (``blocks`` 0) or lacks ``blocks`` KV blocks: mark the policy's
@@ -542,6 +542,7 @@ class Scheduler:
         status: RequestStatus | None = None
         stop_reason: int | None = None
         error: str | None = None
+        error_code: str | None = None
         kept = 0
         for token in tokens:
             req.append_output_token(token)
@@ -552,7 +553,7 @@ class Scheduler:
                 status = RequestStatus.FINISHED_STOPPED
                 stop_reason = token
             elif constraints is not None:  # the constraint may end it here
-                status, error = _advance(constraints, req, token)
+                status, error, error_code = _advance(constraints, req, token)
             if status is None and (
                 (params.max_tokens is not None and req.num_output_tokens >= params.max_tokens)
                 or req.num_tokens >= self.max_model_len
@@ -567,6 +568,7 @@ class Scheduler:
             stop_reason=stop_reason,
             queue_time=queue_time,
             error=error,
+            error_code=error_code,
         )
         logprobs = result.logprobs.get(req.request_id)
         if logprobs is not None:
@@ -593,11 +595,14 @@ class Scheduler:
 
 def _advance(
     constraints: TokenConstraints, req: Request, token: int
-) -> tuple[RequestStatus | None, str | None]:
-    """Report ``token`` to the request's constraint: (None, None) to go on, (stopped, None)
-    when the constraint is complete, (error, why) when it failed."""
+) -> tuple[RequestStatus | None, str | None, str | None]:
+    """Report ``token`` to the request's constraint: (None, None, None) to go on, (stopped,
+    None, None) when the constraint is complete, (error, why, code) when it failed (``code``:
+    the exception's ``code`` attribute, e.g. "constraint_too_costly", else None)."""
     try:
         done = constraints.advance(req, token)
     except Exception as exc:
-        return RequestStatus.FINISHED_ERROR, str(exc) or type(exc).__name__
-    return (RequestStatus.FINISHED_STOPPED, None) if done else (None, None)
+        code = getattr(exc, "code", None)
+        why = str(exc) or type(exc).__name__
+        return RequestStatus.FINISHED_ERROR, why, code if isinstance(code, str) else None
+    return (RequestStatus.FINISHED_STOPPED, None, None) if done else (None, None, None)

@@ -51,6 +51,23 @@ logger = logging.getLogger(__name__)
 
 COMPILE_THREADS = 2  # one tenant's slow schema holds one; the other serves the other tenants
 IDLE_WAIT = 0.05  # seconds a step with nothing to run waits for a compile to finish
+# Mask work as tenant work (fill_masks): a step whose masks took longer than this is followed
+# by steps that time each row; a row over MASK_ROW_LIMIT_S for MASK_STRIKES steps in a row ends
+# its request. Honest constraints take well under a millisecond a row (loraplex bench
+# structured); the bound is about a decode step's whole budget on two cores.
+CHEAP_MASKS_S = 0.005
+MASK_ROW_LIMIT_S = 0.02
+MASK_STRIKES = 3
+# The fair policy charges a second of mask work as this many tokens of service (a decode row
+# of SmolLM2 at batch 32 costs about 3 ms of a step on two cores).
+MASK_TOKENS_PER_SECOND = 500.0
+
+
+class ConstraintTooCostly(GrammarError):
+    """A request's constraint costs more mask work per token than the engine's bound: the
+    client's fault (``error_code``), the request ends."""
+
+    code = "constraint_too_costly"
 
 
 @dataclass
@@ -86,6 +103,12 @@ class StructuredOutputs:
         self._matchers: dict[str, GrammarMatcher] = {}  # request id -> its matcher
         self._keys: dict[str, str] = {}  # request id -> its constraint's key (running ones)
         self._failed: dict[str, str] = {}  # request id -> why its matcher failed in a mask fill
+        self._tenants: dict[str, str | None] = {}  # request id -> its tenant (mask charges)
+        self._strikes: dict[str, int] = {}  # request id -> steps in a row over the mask bound
+        self._costly: set[str] = set()  # requests failed for their mask work (client's fault)
+        self._timed_rows = False  # the last masks were costly: time each row (fill_masks)
+        # told the mask seconds of each tenant's rows every step (the fair policy's charge)
+        self.on_mask_cost: Callable[[str | None, float], None] | None = None
         self.num_compiles = 0
         self.compile_seconds = 0.0  # total, in the worker threads
 
@@ -192,6 +215,7 @@ class StructuredOutputs:
         if future.done() and not future.cancelled() and future.exception() is None:
             self._matchers[req.request_id] = future.result().matcher()
             self._keys[req.request_id] = constraint.key()
+            self._tenants[req.request_id] = req.tenant
             return True
         if req.queued_time is None:
             req.queued_time = time.monotonic()  # the compile wait is queue time too
@@ -224,6 +248,7 @@ class StructuredOutputs:
                 constraint = w.request.params.structured_outputs
                 if constraint is not None:
                     self._keys[rid] = constraint.key()
+                self._tenants[rid] = w.request.tenant
                 ready.append(w.request)
             else:
                 failed.append((w.request, _failure(exc)))
@@ -259,7 +284,13 @@ class StructuredOutputs:
 
     def fill_masks(self, out: SchedulerOutput) -> None:
         """Put the allowed-token bitmask of every constrained sampling row (forks under their
-        own ids) into ``out.token_masks``."""
+        own ids) into ``out.token_masks``, and charge the mask time to the rows' tenants.
+
+        Masks are tenant work (issue 31): the batch fill is timed; a batch that took longer
+        than ``CHEAP_MASKS_S`` makes the next steps fill row by row, each row timed, so that a
+        costly row is charged to its own tenant (``on_mask_cost``) and not spread over the
+        others, until a step's masks are cheap again. A row over ``MASK_ROW_LIMIT_S`` for
+        ``MASK_STRIKES`` steps in a row ends its request with the reason."""
         if not self._matchers:  # no constrained request running: the step pays nothing
             return
         ids = [s.request_id for s in out.requests if s.sample and s.params.structured_outputs]
@@ -271,14 +302,23 @@ class StructuredOutputs:
         words = -(-backend.vocab_size // 32)
         bitmask = np.zeros((len(rows), words), dtype=np.int32)  # [R, ceil(V / 32)]
         pairs = [(m, i) for i, (m, _) in enumerate(rows)]
-        try:
-            backend.fill_bitmasks(pairs, bitmask)
-        except Exception:  # find the matcher that failed; the others keep their masks
-            for m, i in pairs:
-                try:
-                    m.fill_bitmask(bitmask, i)
-                except Exception as exc:
-                    self._failed[rows[i][1]] = _failure(exc)
+        seconds = self._fill_timed(pairs, rows, bitmask) if self._timed_rows else None
+        if seconds is None:
+            start = time.perf_counter()
+            try:
+                backend.fill_bitmasks(pairs, bitmask)
+            except Exception:  # find the matcher that failed; the others keep their masks
+                for m, i in pairs:
+                    try:
+                        m.fill_bitmask(bitmask, i)
+                    except Exception as exc:
+                        self._failed[rows[i][1]] = _failure(exc)
+            took = time.perf_counter() - start
+            self._timed_rows = took > CHEAP_MASKS_S
+            # cheap: shared evenly; costly: not known whose, the next steps time each row
+            seconds = None if self._timed_rows else [took / len(rows)] * len(rows)
+        if seconds is not None:
+            self._charge(rows, seconds)
         for i, (m, rid) in enumerate(rows):
             if rid in self._failed:
                 self._spent(rid)
@@ -289,6 +329,47 @@ class StructuredOutputs:
                 self._spent(rid)
                 continue
             out.token_masks[rid] = bitmask[i]
+
+    def _fill_timed(
+        self,
+        pairs: list[tuple[GrammarMatcher, int]],
+        rows: list[tuple[GrammarMatcher, str]],
+        bitmask: np.ndarray,
+    ) -> list[float]:
+        """Fill row by row, timing each; a row over the limit too many steps in a row fails."""
+        seconds: list[float] = []
+        for m, i in pairs:
+            rid = rows[i][1]
+            start = time.perf_counter()
+            try:
+                m.fill_bitmask(bitmask, i)
+            except Exception as exc:
+                self._failed[rid] = _failure(exc)
+            took = time.perf_counter() - start
+            seconds.append(took)
+            if took <= MASK_ROW_LIMIT_S:
+                self._strikes.pop(rid, None)
+                continue
+            strikes = self._strikes[rid] = self._strikes.get(rid, 0) + 1
+            if strikes >= MASK_STRIKES and rid not in self._failed:
+                self._costly.add(rid)
+                self._failed[rid] = (
+                    f"its output constraint takes {took * 1000:.0f} ms of work per token to "
+                    f"enforce, over the engine's bound of {MASK_ROW_LIMIT_S * 1000:.0f} ms; "
+                    "simplify the schema, pattern or grammar"
+                )
+        self._timed_rows = sum(seconds) > CHEAP_MASKS_S
+        return seconds
+
+    def _charge(self, rows: list[tuple[GrammarMatcher, str]], seconds: list[float]) -> None:
+        if self.on_mask_cost is None:
+            return
+        per: dict[str | None, float] = {}
+        for (_, rid), took in zip(rows, seconds, strict=True):
+            tenant = self._tenants.get(rid)
+            per[tenant] = per.get(tenant, 0.0) + took
+        for tenant, took in per.items():
+            self.on_mask_cost(tenant, took)
 
     def _spent(self, request_id: str) -> None:
         """``request_id``'s matcher failed: its grammar leaves the cache (see the module)."""
@@ -304,6 +385,8 @@ class StructuredOutputs:
         rid = req.request_id
         why = self._failed.pop(rid, None)
         if why is not None:
+            if rid in self._costly:
+                raise ConstraintTooCostly(why)
             raise GrammarError(why)
         matcher = self._matchers.get(rid)
         if matcher is None:
@@ -330,6 +413,9 @@ class StructuredOutputs:
         self._keys.pop(request_id, None)
         self._failed.pop(request_id, None)
         self._waiting.pop(request_id, None)
+        self._tenants.pop(request_id, None)
+        self._strikes.pop(request_id, None)
+        self._costly.discard(request_id)
 
     def has_matcher(self, request_id: str) -> bool:
         return request_id in self._matchers

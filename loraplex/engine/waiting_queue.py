@@ -109,9 +109,10 @@ class WaitingQueue(Protocol):
         requests still running after it."""
         ...
 
-    def charge_load(self, tenant: str | None, cost: float) -> None:
-        """An adapter load ``tenant``'s request caused, priced in tokens of service (the
-        scheduler's ``LOAD_BYTES_PER_TOKEN``): a policy that counts service counts it."""
+    def charge_work(self, tenant: str | None, cost: float) -> None:
+        """Work ``tenant``'s requests caused beyond their tokens (an adapter load, a constraint's
+        token masks), priced in tokens of service (the scheduler's ``LOAD_BYTES_PER_TOKEN``,
+        ``MASK_SECONDS_PER_TOKEN``): a policy that counts service counts it."""
         ...
 
     def set_tenant_weights(self, weights: Mapping[str, float]) -> None:
@@ -217,7 +218,7 @@ class FCFSQueue:
     def charge(self, served: Sequence[Service], running: Sequence[Request]) -> None:
         pass
 
-    def charge_load(self, tenant: str | None, cost: float) -> None:
+    def charge_work(self, tenant: str | None, cost: float) -> None:
         pass
 
     def set_tenant_weights(self, weights: Mapping[str, float]) -> None:

@@ -11,6 +11,7 @@ import json
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,7 @@ from loraplex.engine.client import RequestDelta
 from loraplex.engine.core import EngineCore
 from loraplex.engine.llm_engine import LLMEngine
 from loraplex.engine.records import SchedulerOutput
-from loraplex.engine.structured import IDLE_WAIT
+from loraplex.engine.structured import IDLE_WAIT, MASK_TOKENS_PER_SECOND
 from loraplex.engine_args import engine_config
 from loraplex.grammar import GrammarError, LLGuidanceBackend
 from loraplex.outputs import RequestOutput
@@ -566,3 +567,81 @@ def test_a_grammar_whose_matcher_failed_leaves_the_cache(model_dir: str) -> None
     assert done["fill"].outputs[0].finish_reason == "error"
     compiled = engine.core.structured._compiled
     assert fill.key() not in compiled and good.key() in compiled
+
+
+class SlowMatcher:
+    """A matcher whose mask takes ``seconds`` to fill (a costly constraint)."""
+
+    def __init__(self, inner: Any, seconds: float) -> None:
+        self.inner = inner
+        self.seconds = seconds
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        time.sleep(self.seconds)
+        self.inner.fill_bitmask(bitmask, row)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class SlowMaskBackend:
+    """llguidance, with 30 ms mask fills for constraints whose key holds HEAVY."""
+
+    name = "slow-masks"
+
+    def __init__(self, inner: LLGuidanceBackend) -> None:
+        self.inner = inner
+        self.vocab_size = inner.vocab_size
+
+    def compile(self, constraint: SO) -> Any:
+        compiled = self.inner.compile(constraint)
+        if "HEAVY" not in constraint.key():
+            return compiled
+        grammar = SimpleNamespace(**vars(compiled)) if hasattr(compiled, "__dict__") else compiled
+        make = compiled.matcher
+        grammar.matcher = lambda: SlowMatcher(make(), 0.03)  # type: ignore[union-attr]
+        return grammar
+
+    def fill_bitmasks(self, matchers: Any, bitmask: np.ndarray) -> None:
+        self.inner.fill_bitmasks(matchers, bitmask)
+
+
+def test_mask_work_is_charged_to_its_tenant_and_a_costly_mask_ends_its_request(
+    model_dir: str,
+) -> None:
+    from loraplex.engine.request import Request
+
+    engine = engine_for(model_dir, scheduling_policy="fair", max_num_seqs=8)
+    core = engine.core
+    inner = LLGuidanceBackend(engine.tokenizer, core.vocab_size, core.eos_token_ids)
+    core.structured.wrap_backend(lambda _: SlowMaskBackend(inner))  # type: ignore[arg-type, return-value]
+    heavy = SO(json={**PERSON, "description": "HEAVY"}, disable_any_whitespace=True)
+    light = SO(json=PERSON, disable_any_whitespace=True)
+    ids = engine.tokenizer("a person").input_ids
+    p = dict(max_tokens=60, temperature=0.0)
+    core.add_request(
+        Request("heavy", ids, SamplingParams(structured_outputs=heavy, **p), tenant="a")
+    )
+    core.add_request(
+        Request("light", ids, SamplingParams(structured_outputs=light, **p), tenant="b")
+    )
+    last: dict[str, Any] = {}
+    for _ in range(400):
+        for out in core.step():
+            last[out.request_id] = out
+        if not core.has_unfinished_requests():
+            break
+    assert last["heavy"].finish_reason == "error"
+    assert last["heavy"].error_code == "constraint_too_costly"
+    assert "ms of work per token" in (last["heavy"].error or "")
+    assert last["light"].finish_reason == "stop"
+    counters = core.scheduler.waiting.virtual_service()
+    assert counters is not None
+    # beyond its tokens, a was charged its masks: 30 ms a step, 15 tokens of service each
+    tenants = core.stats().tenants
+    tokens = {
+        t: tenants[t].num_prompt_tokens_computed + 2 * tenants[t].num_generated_tokens
+        for t in ("a", "b")
+    }
+    assert counters["a"] - tokens["a"] >= 3 * 0.03 * MASK_TOKENS_PER_SECOND * 0.9
+    assert counters["b"] - tokens["b"] < 0.1 * tokens["b"]  # b's cheap masks cost little

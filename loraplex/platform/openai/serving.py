@@ -772,11 +772,21 @@ def adapter_gone() -> APIError:
     )
 
 
+CONSTRAINT_TOO_COSTLY = "constraint_too_costly"  # the engine's error_code: mask work over bound
+
+
 def engine_request_error(exc: EngineRequestError, model: ResolvedModel) -> APIError:
     """The answer to a request the engine ended with an error: its adapter's fault, or a
     constraint's."""
     if exc.code == ADAPTER_FAILED:
         return adapter_failed(model.served_name, failure_cause(str(exc)))
+    if exc.code == CONSTRAINT_TOO_COSTLY:
+        return APIError(
+            422,
+            f"This request's output constraint was stopped: {sentence(str(exc))} The engine "
+            "bounds the work a constraint may cost every other request each token.",
+            code=CONSTRAINT_TOO_COSTLY,
+        )
     return request_failed(exc)
 
 
