@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from loraplex.config import TENANT_WEIGHT_RANGE
@@ -120,6 +120,37 @@ class PriorityLine:
 
     def reset(self) -> None:
         self.cursor = 0
+
+
+class SlotOrder:
+    """New LoRA slots in admission order: once a pass has passed over an adapter request whose
+    adapter holds no slot (it waits for one, or for its load), later adapter requests of its
+    priority or a worse one whose adapters hold no slot are passed over too, so a cold adapter
+    is not overtaken for the next free slot by adapters that came after it. Requests on
+    adapters that hold a slot still pass (they take no new one). Without ``holds_slot`` (a
+    pass opened by a test alone): no order."""
+
+    def __init__(self) -> None:
+        self._holds: Callable[[str], bool] | None = None
+        self._priority: int | None = None  # the best priority passed over this pass
+
+    def open(self, holds_slot: Callable[[str], bool] | None) -> None:
+        self._holds = holds_slot
+        self._priority = None
+
+    def _needs_slot(self, req: Request) -> bool:
+        return (
+            self._holds is not None and req.lora_key is not None and not self._holds(req.lora_key)
+        )
+
+    def blocks(self, req: Request) -> bool:
+        return (
+            self._priority is not None and req.priority >= self._priority and self._needs_slot(req)
+        )
+
+    def passed(self, req: Request) -> None:
+        if self._needs_slot(req) and (self._priority is None or req.priority < self._priority):
+            self._priority = req.priority
 
 
 class StarvationGuard:

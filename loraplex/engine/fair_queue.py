@@ -141,7 +141,12 @@ class FairQueue:
 
     # ---- admission -------------------------------------------------------------------------
 
-    def begin_admission(self, lora_ready: Callable[[str], bool]) -> None:
+    def begin_admission(
+        self,
+        lora_ready: Callable[[str], bool],
+        holds_slot: Callable[[str], bool] | None = None,
+    ) -> None:
+        """``holds_slot`` is not used: the slot claim orders slots here."""
         if self._lora_ready is not None:
             raise RuntimeError("an admission pass is already open; call end_admission first")
         self._lora_ready = lora_ready

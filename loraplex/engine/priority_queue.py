@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from loraplex.engine.admission import LORA_STARVATION_STEPS, PriorityLine, Service, StarvationGuard
+from loraplex.engine.admission import (
+    LORA_STARVATION_STEPS,
+    PriorityLine,
+    Service,
+    SlotOrder,
+    StarvationGuard,
+)
 from loraplex.engine.request import Request
 
 
@@ -27,6 +33,7 @@ class PriorityQueue:
     def __init__(self, lora_starvation_steps: int = LORA_STARVATION_STEPS) -> None:
         self._line = PriorityLine()
         self._guard = StarvationGuard(lora_starvation_steps)
+        self._slots = SlotOrder()
         self._lora_ready: Callable[[str], bool] | None = None  # None: no pass open
 
     # ---- contents ----------------------------------------------------------------------------
@@ -48,11 +55,16 @@ class PriorityQueue:
 
     # ---- admission -------------------------------------------------------------------------
 
-    def begin_admission(self, lora_ready: Callable[[str], bool]) -> None:
+    def begin_admission(
+        self,
+        lora_ready: Callable[[str], bool],
+        holds_slot: Callable[[str], bool] | None = None,
+    ) -> None:
         if self._lora_ready is not None:
             raise RuntimeError("an admission pass is already open; call end_admission first")
         self._lora_ready = lora_ready
         self._guard.open(iter(self._line))
+        self._slots.open(holds_slot)
 
     def peek(self) -> Request | None:
         lora_ready = self._lora_ready
@@ -61,8 +73,11 @@ class PriorityQueue:
         line = self._line
         while (req := line.current()) is not None:
             key = req.lora_key
-            if key is None or (lora_ready(key) and not self._guard.blocks(req)):
+            if key is None or (
+                lora_ready(key) and not self._guard.blocks(req) and not self._slots.blocks(req)
+            ):
                 return req
+            self._slots.passed(req)
             req.lora_wait_steps += 1
             line.cursor += 1
         return None

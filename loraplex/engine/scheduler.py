@@ -312,7 +312,7 @@ class Scheduler:
         and the KV pool allow; returns the budget left. A request that does not fit keeps its
         place and ends the pass (and may have victims marked for it: ``_mark_victims``)."""
         waiting = self.waiting
-        waiting.begin_admission(self._lora_ready)
+        waiting.begin_admission(self._lora_ready, self.slots.holds)
         try:
             while budget > 0:
                 if len(self.running) >= self.config.max_num_seqs:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 from loraplex.config import SchedulerConfig, SchedulingPolicy
-from loraplex.engine.admission import LORA_STARVATION_STEPS, Service
+from loraplex.engine.admission import LORA_STARVATION_STEPS, Service, SlotOrder
 from loraplex.engine.fair_queue import FairQueue
 from loraplex.engine.priority_queue import PriorityQueue
 from loraplex.engine.request import Request
@@ -67,9 +67,14 @@ class WaitingQueue(Protocol):
         """Every waiting request, in admission order."""
         ...
 
-    def begin_admission(self, lora_ready: Callable[[str], bool]) -> None:
+    def begin_admission(
+        self,
+        lora_ready: Callable[[str], bool],
+        holds_slot: Callable[[str], bool] | None = None,
+    ) -> None:
         """Open this step's admission pass. ``lora_ready(key)``: whether a request on adapter
-        ``key`` can get a LoRA device slot now."""
+        ``key`` can get a LoRA device slot now; ``holds_slot(key)``: whether adapter ``key``
+        holds one already (its requests need no new slot)."""
         ...
 
     def peek(self) -> Request | None:
@@ -129,7 +134,9 @@ class FCFSQueue:
     """First come, first served, with a bound on how long a cold adapter can wait.
 
     An adapter request that cannot get a LoRA slot is passed over (``lora_wait_steps`` counts
-    the steps it was), so the base and hot-adapter requests behind it are not blocked. Once any
+    the steps it was), so the base and hot-adapter requests behind it are not blocked; but new
+    slots go in arrival order (``SlotOrder``): a later request whose adapter holds no slot does
+    not take one before it. Once any
     waiting request has been passed over ``LORA_STARVATION_STEPS`` times, no adapter request that
     waited less may pass it: the slots drain, and it gets one within a bounded time. The victim
     of a preemption is the newest running request.
@@ -143,6 +150,7 @@ class FCFSQueue:
         self._skipped: list[Request] = []  # passed over in this pass, in queue order
         self._lora_ready: Callable[[str], bool] | None = None  # None: no pass open
         self._starving = False
+        self._slots = SlotOrder()
 
     # ---- contents ----------------------------------------------------------------------------
 
@@ -169,10 +177,15 @@ class FCFSQueue:
 
     # ---- admission -------------------------------------------------------------------------
 
-    def begin_admission(self, lora_ready: Callable[[str], bool]) -> None:
+    def begin_admission(
+        self,
+        lora_ready: Callable[[str], bool],
+        holds_slot: Callable[[str], bool] | None = None,
+    ) -> None:
         if self._lora_ready is not None:
             raise RuntimeError("an admission pass is already open; call end_admission first")
         self._lora_ready = lora_ready
+        self._slots.open(holds_slot)
         limit = self.lora_starvation_steps
         self._starving = any(r.lora_wait_steps >= limit for r in self._queue)
 
@@ -186,8 +199,10 @@ class FCFSQueue:
             if req.lora_key is None or (
                 lora_ready(req.lora_key)
                 and not (self._starving and req.lora_wait_steps < self.lora_starvation_steps)
+                and not self._slots.blocks(req)
             ):
                 return req
+            self._slots.passed(req)
             req.lora_wait_steps += 1
             self._skipped.append(queue.popleft())
         return None

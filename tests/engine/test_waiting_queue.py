@@ -236,3 +236,32 @@ def test_every_policy_from_the_config() -> None:
         SchedulerConfig(fair_prompt_weight=0, fair_output_weight=0)
     with pytest.raises(ValueError, match="one of fcfs, priority, fair"):
         SchedulerConfig(scheduling_policy="lottery")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_new_slots_go_in_arrival_order(policy: str) -> None:
+    """An earlier adapter request passed over (its adapter still loading) is not overtaken for
+    a new slot by a later request on another cold adapter; a request whose adapter holds a slot
+    and a base request still pass it."""
+    from loraplex.engine.waiting_queue import make_waiting_queue
+
+    q = make_waiting_queue(policy)  # type: ignore[arg-type]
+    reqs = [
+        Request("b", [1], SamplingParams(max_tokens=1), lora_key="loading"),
+        Request("a1", [1], SamplingParams(max_tokens=1), lora_key="other"),
+        Request("a2", [1], SamplingParams(max_tokens=1), lora_key="hot"),
+        Request("base", [1], SamplingParams(max_tokens=1)),
+    ]
+    for r in reqs:
+        q.add(r)
+    q.begin_admission(lambda key: key != "loading", lambda key: key == "hot")
+    admitted = []
+    while (r := q.peek()) is not None:
+        assert q.pop() is r
+        admitted.append(r.request_id)
+    q.end_admission()
+    assert admitted == ["a2", "base"]
+    # without the slot view (a pass opened alone), the cold request is overtaken as before
+    q.begin_admission(lambda key: key != "loading")
+    assert q.peek() is reqs[1]
+    q.end_admission()
