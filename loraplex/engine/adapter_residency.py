@@ -134,7 +134,6 @@ class AdapterResidency:
         self._waiting_pages: set[str] = set()  # adapters in a wait for pages (counted once)
         self._weights: dict[str, float] = {}
         self._drop_host: list[str] = []
-        self._forget: list[str] = []
 
     # ---- registration ----------------------------------------------------------------------
 
@@ -150,13 +149,12 @@ class AdapterResidency:
         else:
             entry.name = name
         self._failed.pop(key, None)
-        if key in self._forget:
-            self._forget.remove(key)
         if in_host:
             self._put_host(key)
 
     def forget(self, key: str) -> None:
-        """Drop ``key`` everywhere (the caller made sure no request uses it). Pages being
+        """Drop ``key`` everywhere (the caller made sure no request uses it; the engine core
+        tells the runner's store itself). Pages being
         written by a copy in flight stay reserved until its result arrives."""
         if self._entries.pop(key, None) is None:
             return
@@ -167,7 +165,6 @@ class AdapterResidency:
         self._waiting_pages.discard(key)
         if key not in self._loading:
             self.pool.evict(key, count=False)
-        self._forget.append(key)
 
     def has(self, key: str) -> bool:
         return key in self._entries
@@ -224,7 +221,7 @@ class AdapterResidency:
                 break
             if key in self._loading or self.pool.get(key) is not None or key in self._failed:
                 continue
-            order = self._reserve(key, tenant, in_slot, wanted)
+            order = self._reserve(key, tenant, in_slot.__contains__, wanted)
             if order is not None:
                 plan.loads.append(order)
         for slot, key in slots.items():
@@ -236,7 +233,6 @@ class AdapterResidency:
                 )
             plan.slots[slot] = SlotBinding(slot, key, res.generation, res.pages)
         plan.drop_host, self._drop_host = self._drop_host, []
-        plan.forget, self._forget = self._forget, []
         return plan
 
     def reserve_now(self, key: str, in_use: Callable[[str], bool]) -> LoadOrder | None:
@@ -247,7 +243,7 @@ class AdapterResidency:
             return None
         if key not in self._entries:
             raise KeyError(f"adapter {key[:12]} is not registered with the engine")
-        order = self._reserve(key, None, in_use, {})
+        order = self._reserve(key, None, in_use, {})  # in_use: the slot holders
         if order is None:
             raise RuntimeError(
                 f"the adapter pool has no room for {self.name_of(key)!r}: every resident "
@@ -259,11 +255,10 @@ class AdapterResidency:
         self,
         key: str,
         tenant: Tenant,
-        in_slot: Callable[[str], bool] | set[str],
+        held: Callable[[str], bool],
         wanted: Mapping[str, Tenant],
     ) -> LoadOrder | None:
         entry = self._entries[key]
-        held = in_slot.__contains__ if isinstance(in_slot, set) else in_slot
 
         def keep(other: str) -> bool:
             if held(other):

@@ -288,9 +288,6 @@ class LoRAManager:
         """Drop host copies, start the ordered copies, point the step's slots at their pages."""
         for key in plan.drop_host:
             self._host.pop(key, None)
-        for key in plan.forget:
-            if key not in self._sources:
-                self._host.pop(key, None)
         for order in plan.loads:
             self.start_load(order)
         for slot, binding in plan.slots.items():

@@ -27,18 +27,16 @@ class SlotBinding:
 
 @dataclass
 class AdapterPlan:
-    """The step's adapter work for the runner, in this order: drop host copies and forgotten
-    adapters, start ``loads`` in the background, point the slots of ``slots`` at their pages
+    """The step's adapter work for the runner, in this order: drop host copies, start ``loads`` in the background, point the slots of ``slots`` at their pages
     (a slot whose binding did not change is left as it is)."""
 
     loads: list[LoadOrder] = field(default_factory=list)
     slots: dict[int, SlotBinding] = field(default_factory=dict)
     drop_host: list[str] = field(default_factory=list)
-    forget: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.loads or self.slots or self.drop_host or self.forget)
+        return not (self.loads or self.slots or self.drop_host)
 
 
 @dataclass(frozen=True)
