@@ -643,5 +643,8 @@ def test_mask_work_is_charged_to_its_tenant_and_a_costly_mask_ends_its_request(
         t: tenants[t].num_prompt_tokens_computed + 2 * tenants[t].num_generated_tokens
         for t in ("a", "b")
     }
-    assert counters["a"] - tokens["a"] >= 3 * 0.03 * MASK_TOKENS_PER_SECOND * 0.9
-    assert counters["b"] - tokens["b"] < 0.1 * tokens["b"]  # b's cheap masks cost little
+    a_masks = counters["a"] - tokens["a"]
+    assert a_masks >= 3 * 0.03 * MASK_TOKENS_PER_SECOND * 0.9
+    # b is charged its own rows' time only, never a's: its cheap rows (well under a
+    # millisecond each, a few on a slow shared runner) cost a small part of a's 30 ms rows
+    assert counters["b"] - tokens["b"] < a_masks / 3
