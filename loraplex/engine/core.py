@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from loraplex.config import EngineConfig
 from loraplex.engine.adapter_residency import AdapterResidency
-from loraplex.engine.info import NO_TENANT, EngineInfo, EngineStats, LoRAStats, TenantStats
+from loraplex.engine.info import (
+    NO_TENANT,
+    AdapterRequests,
+    EngineInfo,
+    EngineStats,
+    LoRAStats,
+    TenantStats,
+)
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.models.parallel import SINGLE
 from loraplex.engine.records import EngineCoreOutput
@@ -301,9 +308,12 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         kv, sched = self.kv, self.scheduler
+        running, waiting = self._request_groups()
         return EngineStats(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting + self.structured.num_waiting,
+            num_running_requests=len(running),
+            num_waiting_requests=len(waiting),
             kv_blocks_total=kv.num_usable_blocks,
             kv_blocks_used=kv.num_used_blocks,
             kv_blocks_free=kv.num_free_blocks,
@@ -320,16 +330,31 @@ class EngineCore:
             max_model_len=self.max_model_len,
             lora=self._lora_stats(),
             speculative=None if self.spec is None else self.spec.stats(),
-            tenants=self._tenant_stats(),
+            tenants=self._tenant_stats(running, waiting),
             dtype=self.runner.precision.name,
         )
 
-    def _tenant_stats(self) -> dict[str, TenantStats]:
+    def _request_groups(self) -> tuple[dict[str, Request], dict[str, Request]]:
+        """Running and waiting requests, one sample each: a request (its samples share the
+        leader's id as ``parent_id``) runs while any sample runs; else it waits."""
+        sched = self.scheduler
+        running = {r.parent_id or r.request_id: r for r in sched.running}
+        waiting: dict[str, Request] = {}
+        for r in [*sched.waiting_requests(), *self.structured.waiting_requests()]:
+            group = r.parent_id or r.request_id
+            if group not in running:
+                waiting.setdefault(group, r)
+        return running, waiting
+
+    def _tenant_stats(
+        self, running_requests: dict[str, Request], waiting_requests: dict[str, Request]
+    ) -> dict[str, TenantStats]:
         sched = self.scheduler
         running = Counter(r.tenant for r in sched.running)
         waiting = Counter(
             r.tenant for r in [*sched.waiting_requests(), *self.structured.waiting_requests()]
         )
+        on_adapters = _adapter_requests(running_requests.values(), waiting_requests.values())
         counters = sched.waiting.virtual_service()
         usage = sched.stats.tenants
         tenants: dict[str, TenantStats] = {}
@@ -343,6 +368,7 @@ class EngineCore:
                 num_running=running[tenant],
                 num_waiting=waiting[tenant],
                 weight=1.0 if tenant is None else sched.tenant_weights.get(tenant, 1.0),
+                adapters=on_adapters.get(tenant, {}),
             )
         return tenants
 
@@ -380,6 +406,23 @@ class EngineCore:
             residency=residency.tiers(),
             failed=residency.failed(),
         )
+
+
+def _adapter_requests(
+    running: Iterable[Request], waiting: Iterable[Request]
+) -> dict[str | None, dict[str, AdapterRequests]]:
+    """tenant -> adapter key -> its requests running and waiting (one sample per request)."""
+    counts: dict[tuple[str | None, str], list[int]] = {}
+    for column, requests in enumerate((running, waiting)):
+        for r in requests:
+            if r.lora_key is not None:
+                counts.setdefault((r.tenant, r.lora_key), [0, 0])[column] += 1
+    out: dict[str | None, dict[str, AdapterRequests]] = {}
+    for (tenant, key), (n_running, n_waiting) in sorted(
+        counts.items(), key=lambda kv: (kv[0][0] or "", kv[0][1])
+    ):
+        out.setdefault(tenant, {})[key] = AdapterRequests(n_running, n_waiting)
+    return out
 
 
 GOVERNOR_ENV = "LORAPLEX_THREAD_GOVERNOR"

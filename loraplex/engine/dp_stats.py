@@ -20,7 +20,14 @@ import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from loraplex.engine.info import EngineStats, LoRAStats, SpecDecodeStats, TenantStats, Tier
+from loraplex.engine.info import (
+    AdapterRequests,
+    EngineStats,
+    LoRAStats,
+    SpecDecodeStats,
+    TenantStats,
+    Tier,
+)
 
 ENGINE_COUNTERS = (
     "prefix_cache_queries",
@@ -34,6 +41,8 @@ ENGINE_COUNTERS = (
 ENGINE_GAUGES = (
     "num_running",
     "num_waiting",
+    "num_running_requests",
+    "num_waiting_requests",
     "kv_blocks_total",
     "kv_blocks_used",
     "kv_blocks_free",
@@ -206,6 +215,17 @@ def _tenants(answered: list[EngineStats], totals: Counters) -> Mapping[str, Tena
             num_running=sum(v.num_running for v in shares),
             num_waiting=sum(v.num_waiting for v in shares),
             weight=shares[0].weight if shares else 1.0,
+            adapters=_adapter_requests(shares),
             **{f: _int(totals.get(("tenant", tenant, f), 0)) for f in TENANT_COUNTERS},
         )
+    return out
+
+
+def _adapter_requests(shares: list[TenantStats]) -> dict[str, AdapterRequests]:
+    """One tenant's requests per adapter, summed over the replicas (a request is on one)."""
+    out: dict[str, AdapterRequests] = {}
+    for share in shares:
+        for key, n in share.adapters.items():
+            had = out.get(key, AdapterRequests())
+            out[key] = AdapterRequests(had.running + n.running, had.waiting + n.waiting)
     return out

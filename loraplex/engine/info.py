@@ -89,6 +89,15 @@ class LoRAStats:
 
 
 @dataclass(frozen=True)
+class AdapterRequests:
+    """Requests on one adapter now (the samples of an ``n > 1`` request count once: as running
+    while any of them runs, else as waiting)."""
+
+    running: int = 0
+    waiting: int = 0
+
+
+@dataclass(frozen=True)
 class TenantStats:
     """One tenant's share of the engine: service since the engine started and its requests
     now. ``virtual_service`` is the fair policy's counter (weighted service: prompt tokens times
@@ -102,6 +111,8 @@ class TenantStats:
     num_running: int = 0
     num_waiting: int = 0
     weight: float = 1.0  # the weight the engine holds for it now (set_tenant_weights)
+    # adapter content hash -> this tenant's requests on it now; only adapters with some
+    adapters: Mapping[str, AdapterRequests] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -139,8 +150,11 @@ class EngineStats:
     restart starts them again; ``engine_restarts`` says when); gauges are current values.
     ``num_inflight`` and ``engine_restarts`` are the client's own."""
 
-    num_running: int = 0
+    num_running: int = 0  # samples (an n > 1 request counts n times)
     num_waiting: int = 0
+    # requests (the samples of one count once: running while any of them runs, else waiting)
+    num_running_requests: int = 0
+    num_waiting_requests: int = 0
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0

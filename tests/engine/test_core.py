@@ -71,3 +71,46 @@ def test_stats_report_each_tenants_service_and_requests(tmp_path: Path) -> None:
     assert (a.virtual_service, op.virtual_service) == ((12 + 2 * 6) / 2, 4 + 2 * 3)
     assert stats.num_generated_tokens == 9 and stats.num_prompt_tokens_computed == 16
     assert idle.num_generated_tokens == 0 and idle.virtual_service == 0.0
+
+
+def test_stats_count_requests_not_samples_per_tenant_and_adapter(tmp_path: Path) -> None:
+    """``num_*_requests`` count an n > 1 request once, and each tenant's share lists the adapters
+    its requests run and wait on (the metrics' ``running_lora_adapters``); none once done."""
+    from loraplex.engine.client import build_core_requests
+    from loraplex.engine.info import AdapterRequests
+    from tests.utils.models import make_adapter
+
+    model_dir = make_tiny_model(tmp_path / "m", "llama", seed=3)
+    config = EngineConfig(
+        model=ModelConfig(model=model_dir, max_model_len=64),
+        cache=CacheConfig(block_size=4, num_blocks=64),
+        scheduler=SchedulerConfig(max_num_seqs=2),
+        lora=LoRAConfig(max_loras=2, max_cpu_loras=3, max_lora_rank=8),
+    )
+    core, _ = EngineCore.build(config, model_dir, tokenizer=SimpleNamespace(eos_token_id=None))
+    path = make_adapter(model_dir, tmp_path / "bot", 4, 8, ["q_proj", "v_proj"], seed=1)
+    key = core.add_lora("bot", path).content_hash
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    eos: frozenset[int] = frozenset()
+    for rid, tenant, n in (("a1", "a", 2), ("b1", "b", 1), ("b2", "b", 1)):
+        sampling = SamplingParams(n=n, max_tokens=4, temperature=1.0, seed=1) if n > 1 else params
+        for req in build_core_requests(
+            rid, list(range(10, 15)), sampling, eos, lora_key=key, cache_extra_keys=(),
+            tenant=tenant,
+        ):  # fmt: skip
+            core.add_request(req)
+    for _ in range(20):  # until the adapter's copy is in: a1 (one sample) and b1 run
+        core.step()
+        stats = core.stats()
+        if stats.num_running:
+            break
+    # samples: a1's second waits for its leader's prompt, b2 for a seat
+    assert (stats.num_running, stats.num_waiting) == (2, 2)
+    assert (stats.num_running_requests, stats.num_waiting_requests) == (2, 1)
+    assert stats.tenants["a"].adapters == {key: AdapterRequests(running=1, waiting=0)}
+    assert stats.tenants["b"].adapters == {key: AdapterRequests(running=1, waiting=1)}
+    while core.has_unfinished_requests():
+        core.step()
+    stats = core.stats()
+    assert (stats.num_running_requests, stats.num_waiting_requests) == (0, 0)
+    assert all(not t.adapters for t in stats.tenants.values())
