@@ -220,6 +220,19 @@ def build_parser() -> argparse.ArgumentParser:
             ),
         )
     )
+    from loraplex.bench.mask_fairness import add_mask_arguments
+
+    add_mask_arguments(
+        benches.add_parser(
+            "masks",
+            help="one tenant's costly constraint vs another tenant's TTFT, through the server",
+            description=(
+                "Against loraplex serve: tenant A keeps --streams requests open, in alternating "
+                "windows without a constraint and with --regex; tenant B's TTFT p90 in each; "
+                "the median heavy/plain ratio. Writes JSON to --output-dir."
+            ),
+        )
+    )
     from loraplex.platform.admin_cli import add_commands as add_platform_commands
 
     add_platform_commands(commands, _Parser)
@@ -458,6 +471,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             run_replicas(replicas_options(args))
             return 0
+        if args.command == "bench" and args.bench == "masks":
+            from loraplex.bench.mask_fairness import options_from as mask_options
+            from loraplex.bench.mask_fairness import run_masks
+
+            return 0 if run_masks(mask_options(args))["summary"]["met"] else 1
         if args.command in ("db", "admin"):
             from loraplex.platform.admin_cli import run as run_platform_command
 

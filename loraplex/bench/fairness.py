@@ -73,7 +73,15 @@ class Load:
     def prompt(self) -> str:
         return random_text(self.rng, self.rng.randint(20, 60))
 
-    async def one(self, tenant: str, max_tokens: int, priority: int = 0) -> StreamRecord:
+    async def one(
+        self,
+        tenant: str,
+        max_tokens: int,
+        priority: int = 0,
+        extra: dict[str, Any] | None = None,
+        allowed: tuple[str, ...] = ("priority_not_allowed",),
+    ) -> StreamRecord:
+        """One request; a refusal (not 200) whose code is not in ``allowed`` raises."""
         record = await stream(
             self.http,
             self.keys[tenant],
@@ -82,8 +90,9 @@ class Load:
             max_tokens,
             model=self.model,
             priority=priority,
+            extra=extra,
         )
-        if record.status != 200 and record.error_code != "priority_not_allowed":
+        if record.status != 200 and record.error_code not in allowed:
             raise RuntimeError(f"tenant {tenant}: {record.status} {record.error}")
         self.records.append(record)
         return record
@@ -96,6 +105,8 @@ class Load:
         stop: asyncio.Event,
         *,
         spread: bool = False,
+        extra: dict[str, Any] | None = None,
+        allowed: tuple[str, ...] = ("priority_not_allowed",),
     ) -> None:
         """``streams`` requests open until ``stop``; ``spread``: each one's max_tokens drawn
         from [max_tokens / 2, max_tokens * 3 / 2] (mean ``max_tokens``), so requests do not
@@ -104,7 +115,7 @@ class Load:
         async def worker() -> None:
             while not stop.is_set():
                 n = self.rng.randint(max(1, max_tokens // 2), max_tokens * 3 // 2)
-                await self.one(tenant, n if spread else max_tokens)
+                await self.one(tenant, n if spread else max_tokens, extra=extra, allowed=allowed)
 
         await asyncio.gather(*(worker() for _ in range(streams)))
 

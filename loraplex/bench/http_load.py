@@ -185,8 +185,10 @@ async def stream(
     *,
     model: str,
     priority: int = 0,
+    extra: dict[str, Any] | None = None,
 ) -> StreamRecord:
-    """One streaming ``/v1/completions`` request (EOS ignored, so it makes ``max_tokens``)."""
+    """One streaming ``/v1/completions`` request (EOS ignored, so it makes ``max_tokens``);
+    ``extra`` adds fields to the body (a constraint, say)."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
@@ -198,6 +200,7 @@ async def stream(
     }
     if priority:
         body["priority"] = priority
+    body |= extra or {}
     record = StreamRecord(tenant, time.monotonic(), priority)
     headers = {"Authorization": f"Bearer {key}"}
     try:
