@@ -35,6 +35,7 @@ from loraplex.platform.store import Store
 from loraplex.platform.tenant_auth import TenantAuthenticator
 from loraplex.platform.tenants import TenantService
 from loraplex.platform.usage import RETENTION_INTERVAL_S, UsageRecorder, retention_loop
+from loraplex.platform.vllm_metrics import AdapterNames, VllmCollector, operator_adapter_names
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +96,10 @@ class Platform:
         settings = settings or load_settings()
         base_name = ServedName(settings.served_model_name, client)
         tenancy = Tenancy.build(store, client, base_name) if store is not None else None
+        registry_models = RegistryModels(tenancy.registry) if tenancy is not None else None
         resolver = ModelResolver(
             base_name,
-            tenant_models=RegistryModels(tenancy.registry) if tenancy is not None else None,
+            tenant_models=registry_models,
             share_base_prefix_cache=store is not None and store.settings.share_prefix_cache,
         )
         config = ServingConfig(
@@ -124,6 +126,11 @@ class Platform:
                 db=store.db if store is not None else None,
                 max_tenants=settings.metrics_max_tenants,
                 max_adapters=settings.metrics_max_adapters,
+                vllm=VllmCollector(
+                    base_name,
+                    AdapterNames(lambda: operator_adapter_names(resolver), registry_models),
+                    lambda: client.info.max_loras,
+                ),
             ),
             authenticator=authenticator,
             tenancy=tenancy,

@@ -12,7 +12,9 @@ Two sources:
   and bytes, where each adapter version is (``adapter_metrics.py``: labelled by registry version
   id, capped), speculative decoding's draft, accepted and emitted tokens and acceptance rate
   (labelled by proposer ``method``), and per tenant what the scheduler gave it
-  (``tenant_metrics.py``). When the engine does not answer, the scrape still succeeds:
+  (``tenant_metrics.py``); and the model server protocol's ``vllm:`` families, for the
+  Kubernetes inference stack's endpoint pickers (``vllm_metrics.py``). When the engine does not
+  answer, the scrape still succeeds:
   ``loraplex_engine_healthy 0``, the engine's gauges left out, its counters at their last known
   totals.
 
@@ -59,6 +61,7 @@ from loraplex.platform.metric_labels import (
 )
 from loraplex.platform.request_log import RequestRecord
 from loraplex.platform.tenant_metrics import TenantCollector
+from loraplex.platform.vllm_metrics import VllmCollector
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +95,13 @@ class PlatformMetrics:
         db: Database | None = None,
         max_tenants: int = MAX_TENANTS,
         max_adapters: int = MAX_ADAPTERS,
+        vllm: VllmCollector | None = None,
     ) -> None:
         """``versions``: the registry's adapter versions, for the residency gauge's labels
         (None: no registry; every adapter counts in ``_other``). ``db``: the platform's
         database, where deleted tenants and versions are found (None: none ever is);
-        ``max_tenants`` and ``max_adapters``: the caps on their own labels."""
+        ``max_tenants`` and ``max_adapters``: the caps on their own labels. ``vllm``: the
+        model server protocol's ``vllm:`` families (``vllm_metrics``; None: not exposed)."""
         self.client = client
         self.stats_timeout = stats_timeout
         self.labels = LabelBudget(db, max_tenants=max_tenants, max_adapters=max_adapters)
@@ -149,6 +154,9 @@ class PlatformMetrics:
         self.registry.register(self.residency)
         self.failed = FailedCollector(db)
         self.registry.register(self.failed)
+        self.vllm = vllm
+        if vllm is not None:
+            self.registry.register(vllm)
         self._scrape_lock = asyncio.Lock()  # snapshots reach the collector in order
 
     def observe(self, record: RequestRecord) -> None:
@@ -191,6 +199,8 @@ class PlatformMetrics:
             self.tenants.update(stats, gone.tenants)
             await self.residency.update(stats)
             await self.failed.update(stats)
+            if self.vllm is not None:
+                await self.vllm.update(stats)
             return generate_latest(self.registry)
 
     def _remove(self, gone: Gone) -> None:

@@ -97,6 +97,12 @@ class TenancySettings(BaseSettings):
     share_prefix_cache: bool = Field(
         False, description="let tenants share prefix-cache blocks of the base model"
     )
+    gateway_mode: bool = Field(
+        False,
+        description="name every tenant adapter '<tenant>/<adapter>' in the API (model field, "
+        "/v1/models, metrics): one string per adapter across tenants, the routing key of a "
+        "Kubernetes inference gateway's endpoint picker",
+    )
     max_adapter_bytes: ByteSize = Field(
         512 * 1024 * 1024, ge=1024, description="per upload (bytes: 512MiB, 2GB, ...)"
     )

@@ -22,6 +22,7 @@ from loraplex.config import SchedulingPolicy
 from loraplex.engine.client import EngineClient
 from loraplex.engine.dp_router import ROUTING_POLICIES
 from loraplex.engine_args import ENV_PREFIX, add_engine_arguments, from_args
+from loraplex.server.metrics_server import MetricsPort
 
 
 def _env_default(flag: str, default: Any, cast: Callable[[str], Any] = str) -> Any:
@@ -71,6 +72,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "as LORAPLEX_ADMIN_TOKEN (prefer the environment: flags show in `ps`)",
     )
     opt("--metrics-token", None, help="token that may also read /metrics (Prometheus scrapers)")
+    opt(
+        "--metrics-port",
+        None,
+        positive_int,
+        help="also serve GET /metrics, and nothing else, without credentials on this port (for "
+        "the inference gateway's scrapers; fence it with a NetworkPolicy); from a snapshot "
+        "taken every 0.5 s",
+    )
     opt(
         "--max-request-bytes",
         None,
@@ -123,6 +132,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         default=_env_default("--share-prefix-cache", False, env_bool),
         help="let tenants share the base model's prefix-cache blocks (default: salted per tenant)",
+    )
+    p.add_argument(
+        "--gateway-mode",
+        action="store_true",
+        default=_env_default("--gateway-mode", False, env_bool),
+        help="name every tenant adapter '<tenant>/<adapter>' in the API and the metrics: one "
+        "routing key per adapter for a Kubernetes inference gateway (llm-d, GIE, KServe)",
     )
     p.add_argument(
         "--demo",
@@ -195,6 +211,7 @@ async def _open_platform(args: argparse.Namespace) -> Any:
         "database_url": args.database_url,
         "shared_state": args.shared_state,
         "share_prefix_cache": args.share_prefix_cache or None,
+        "gateway_mode": args.gateway_mode or None,
     }
     if args.api_key is not None and not os.environ.get(ENV_PREFIX + "ADMIN_TOKEN"):
         overrides["admin_token"] = args.api_key
@@ -256,6 +273,9 @@ async def _serve(args: argparse.Namespace, config: Any, model_dir: str) -> int:
     from loraplex.server import create_app
 
     start = time.perf_counter()
+    if args.gateway_mode and args.no_platform:
+        raise ValueError("--gateway-mode names tenants' adapters: drop --no-platform to use it")
+    metrics_port: MetricsPort | None = None
     client = build_engine_client(args, config, model_dir)
     await client.start()
     try:
@@ -292,6 +312,7 @@ async def _serve(args: argparse.Namespace, config: Any, model_dir: str) -> int:
 
             demo = await setup_demo(app.platform)
             print(demo_message(demo, base_url, serving.resolver.base_name), flush=True)
+        metrics_port = await MetricsPort.start(args, app.platform.metrics)
         server = _Server(
             uvicorn.Config(
                 app,
@@ -307,5 +328,7 @@ async def _serve(args: argparse.Namespace, config: Any, model_dir: str) -> int:
             loop.add_signal_handler(sig, server.request_exit)
         await server.serve()
     finally:
+        if metrics_port is not None:
+            await metrics_port.stop()
         await client.shutdown(timeout=args.shutdown_timeout)
     return 0

@@ -74,6 +74,6 @@ async def test_the_engine_page_lists_each_tenants_share_by_name(tenancy: Any) ->
     assert rows[acme] == {
         "tenant_id": acme, "name": "acme", "virtual_service": 3.5,
         "num_prompt_tokens_computed": 20, "num_generated_tokens": 10, "num_running": 1,
-        "num_waiting": 0, "weight": 2.0,
+        "num_waiting": 0, "weight": 2.0, "adapters": {},
     }  # fmt: skip
     assert rows["999"]["name"] is None and rows[NO_TENANT]["name"] is None

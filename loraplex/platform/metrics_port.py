@@ -1,0 +1,88 @@
+"""``--metrics-port``: ``GET /metrics`` without credentials on a port of its own, for the scrapers
+of the Kubernetes inference stack (an endpoint picker scrapes every pod every 50 ms and sends no
+token; a NetworkPolicy fences the port). The main port keeps its token.
+
+A scrape never reaches the engine: it answers with the latest ``MetricsSnapshot``, the whole
+exposition text, which the server takes every ``interval_s`` (one engine round trip per
+snapshot, however many scrapers). The endpoint pickers call data older than 2 s stale, so the
+interval stays well under that. Anything but ``GET``/``HEAD /metrics`` is 404 (405 for another
+method): the port serves nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from loraplex.platform.metrics import PlatformMetrics
+
+logger = logging.getLogger(__name__)
+
+SNAPSHOT_INTERVAL_S = 0.5
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class MetricsSnapshot:
+    """The exposition text as of the last ``refresh`` (``run`` refreshes it forever)."""
+
+    def __init__(self, metrics: PlatformMetrics, interval_s: float = SNAPSHOT_INTERVAL_S) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"the snapshot interval must be above 0 s; got {interval_s}")
+        self.metrics = metrics
+        self.interval_s = interval_s
+        self.text = b""
+        self.taken_at: float | None = None  # time.monotonic() of the last snapshot
+        self.taken = 0  # snapshots taken (tests count them)
+
+    async def refresh(self) -> None:
+        self.text = await self.metrics.scrape()
+        self.taken_at = time.monotonic()
+        self.taken += 1
+
+    async def run(self) -> None:
+        """Refresh every ``interval_s`` until cancelled; a failed refresh keeps the last text."""
+        while True:
+            started = time.monotonic()
+            try:
+                await self.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the scrapers keep the last text; the next round tries again
+                logger.exception("metrics: the snapshot for --metrics-port failed")
+            await asyncio.sleep(max(self.interval_s - (time.monotonic() - started), 0.0))
+
+
+def metrics_app(snapshot: MetricsSnapshot) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """The metrics port's ASGI app: the snapshot at ``/metrics``, nothing else."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["type"] != "http":
+            return
+        method = scope["method"]
+        if scope["path"] != "/metrics":
+            status, body, ctype = 404, b"This port serves GET /metrics only.\n", "text/plain"
+        elif method not in ("GET", "HEAD"):
+            status, body, ctype = 405, b"Use GET /metrics.\n", "text/plain"
+        else:
+            status, body, ctype = 200, snapshot.text, CONTENT_TYPE_LATEST
+        headers = [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())]
+        if status == 405:
+            headers.append((b"allow", b"GET, HEAD"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": b"" if method == "HEAD" else body})
+
+    return app
