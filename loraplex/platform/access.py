@@ -8,9 +8,9 @@ audience       who                                                 routes
 ``inference``  a tenant key with ``inference``, or the operator    /v1/models, completions,
                                                                    /tokenize, /detokenize
 ``tenant``     a tenant key only (never the operator's token)      /v1/adapters, /v1/usage
-``operator``   the operator's credential only (the admin token;    /admin/api/*, and without
-               without the platform, the ``--api-key``)            the platform the LoRA
-                                                                   load/unload endpoints
+``operator``   the operator's credential only (the admin token;    /admin/api/*, vLLM's
+               without the platform, the ``--api-key``)            /v1/load_lora_adapter and
+                                                                   /v1/unload_lora_adapter
 ``metrics``    the metrics token or the operator                   /metrics
 ``admin_ui``   a signed-in operator session (cookie); API keys     /admin pages
                never open a page

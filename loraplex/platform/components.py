@@ -1,7 +1,8 @@
 """The platform's components, built once, by constructors: ``Platform.build``.
 
     Platform                       every server
-      settings, client, resolver, serving (OpenAI API), metrics, authenticator
+      settings, client, resolver, serving (OpenAI API), metrics, authenticator,
+      operator_adapters (vLLM's adapter API; gives the resolver --lora-resolver-dir)
       tenancy: Tenancy | None      the multi-tenant platform (a ``Store``: database + files)
         quotas, usage, registry, tenants (TenantService), authenticator (tenant keys + admin)
 
@@ -25,6 +26,7 @@ from loraplex.platform.auth import Authenticator, OperatorKeyAuthenticator
 from loraplex.platform.metrics import PlatformMetrics
 from loraplex.platform.model_resolver import ModelResolver, ServedName
 from loraplex.platform.openai.serving import OpenAIServing, ServingConfig
+from loraplex.platform.operator_adapters import DEFAULT_MAX_BYTES, OperatorAdapters
 from loraplex.platform.quota_db import DatabaseQuotaStore
 from loraplex.platform.quotas import QuotaManager, QuotaStore
 from loraplex.platform.registry.resolver import RegistryModels
@@ -77,6 +79,7 @@ class Platform:
     serving: OpenAIServing
     metrics: PlatformMetrics
     authenticator: Authenticator  # who is calling (tenant keys and the admin token, or one key)
+    operator_adapters: OperatorAdapters  # vLLM's load/unload API, --lora-modules, resolver dir
     tenancy: Tenancy | None = None  # None: the single-operator server (--no-platform)
 
     @classmethod
@@ -101,6 +104,13 @@ class Platform:
             base_name,
             tenant_models=registry_models,
             share_base_prefix_cache=store is not None and store.settings.share_prefix_cache,
+        )
+        operator_adapters = OperatorAdapters(
+            client,
+            resolver,
+            db=store.db if store is not None else None,
+            max_bytes=store.settings.max_adapter_bytes if store is not None else DEFAULT_MAX_BYTES,
+            resolver_dir=settings.lora_resolver_dir,
         )
         config = ServingConfig(
             max_n=settings.max_n,
@@ -133,6 +143,7 @@ class Platform:
                 ),
             ),
             authenticator=authenticator,
+            operator_adapters=operator_adapters,
             tenancy=tenancy,
         )
 

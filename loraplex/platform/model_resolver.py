@@ -19,6 +19,7 @@ except for base-model requests when the operator lets tenants share the base mod
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -36,15 +37,23 @@ class ResolvedModel:
     lora_key: str | None  # the adapter's content hash in the engine; None = the base model
     cache_extra_keys: tuple[str, ...] = ()  # join the request's prefix-cache block hashes
     adapter_version_id: int | None = None  # the registry's AdapterVersion (usage rows)
-    # Makes the engine hold the adapter (the registry's load of a cold version); None: nothing
-    # to do. Called after admission, never by the resolver.
-    load: Callable[[], Awaitable[None]] | None = field(default=None, compare=False, repr=False)
+    # Makes the engine hold the adapter (the registry's load of a cold version, an operator
+    # adapter from --lora-resolver-dir); None: nothing to do. Called after admission, never by
+    # the resolver. It returns the adapter's engine key where ``lora_key`` could not be known
+    # before the load (a directory's content hash), else None.
+    load: Callable[[], Awaitable[str | None]] | None = field(
+        default=None, compare=False, repr=False
+    )
 
-    async def prepare(self) -> None:
+    async def prepare(self) -> ResolvedModel:
         """Make the model usable by the engine (loads a cold adapter; may raise ``APIError``
-        or ``EngineDeadError``)."""
-        if self.load is not None:
-            await self.load()
+        or ``EngineDeadError``); returns the model to submit, its ``lora_key`` known."""
+        if self.load is None:
+            return self
+        key = await self.load()
+        if key is None or key == self.lora_key:
+            return self
+        return dataclasses.replace(self, lora_key=key, load=None)
 
 
 def adapter_failed(served_name: str, cause: str) -> APIError:
@@ -106,6 +115,10 @@ class ModelResolver:
         self._base_name = base_name
         self._created = int(time.time())
         self._adapters: dict[str, ModelEntry] = {}
+        self._aliases: list[str] = []  # more names of the base model (--served-model-name a b)
+        # The operator's adapters found on demand (--lora-resolver-dir): a name no adapter has
+        # -> a model whose ``load`` validates and loads it after admission; None: not there.
+        self.directory: Callable[[Caller, str], ResolvedModel | None] | None = None
         self.lock = asyncio.Lock()  # held while the adapter set changes (load / unload)
         self.tenant_models = tenant_models
         self.share_base_prefix_cache = share_base_prefix_cache
@@ -114,9 +127,19 @@ class ModelResolver:
     def base_name(self) -> str:
         return self._base_name()
 
+    def is_base(self, name: str) -> bool:
+        """Whether ``name`` names the base model (its served name or an alias)."""
+        return name == self.base_name or name in self._aliases
+
+    def add_base_alias(self, name: str) -> None:
+        """One more name of the base model (vLLM's several ``--served-model-name`` values):
+        requests may use it, /v1/models lists it, responses echo the first name."""
+        self.check_new_name(name)
+        self._aliases.append(name)
+
     async def lookup(self, caller: Caller, name: str) -> ResolvedModel:
         """The model ``name`` as ``caller`` may use it; 404 ``model_not_found`` otherwise."""
-        if name == self.base_name:
+        if self.is_base(name):
             return self._base(caller)
         if caller.tenant_id is not None and self.tenant_models is not None:
             found = await self.tenant_models.resolve(caller, name)
@@ -138,23 +161,26 @@ class ModelResolver:
 
     def resolve(self, caller: Caller, name: str) -> ResolvedModel:
         """The operator's models only (synchronous; see ``lookup``)."""
-        if name == self.base_name:
+        if self.is_base(name):
             return self._base(caller)
         entry = self._adapters.get(name)
         if entry is None or entry.adapter is None:
-            raise model_not_found(name)
+            found = self.directory(caller, name) if self.directory is not None else None
+            if found is None:
+                raise model_not_found(name)
+            return found
         return ResolvedModel(entry.name, entry.adapter.key, caller.cache_extra_keys)
 
     def list_models(self, caller: Caller) -> list[ModelEntry]:
-        base = ModelEntry(self.base_name, self._created, None)
-        return [base, *sorted(self._adapters.values(), key=lambda e: e.name)]
+        base = [ModelEntry(n, self._created, None) for n in (self.base_name, *self._aliases)]
+        return [*base, *sorted(self._adapters.values(), key=lambda e: e.name)]
 
     def get_adapter(self, caller: Caller, name: str) -> ModelEntry | None:
         return self._adapters.get(name)
 
     def check_new_name(self, name: str) -> None:
         """Raise 400 when ``name`` cannot name a new adapter (taken, or the base model's)."""
-        if name == self.base_name:
+        if self.is_base(name):
             raise APIError(
                 400,
                 f"{name!r} is the base model's name; choose another name for the adapter.",
@@ -170,9 +196,11 @@ class ModelResolver:
                 code="adapter_name_taken",
             )
 
-    def add_adapter(self, info: AdapterInfo) -> ModelEntry:
+    def add_adapter(self, info: AdapterInfo, *, alias: bool = False) -> ModelEntry:
+        """``alias``: the weights may already be loaded under another name (KServe's
+        ``--lora-modules`` names each adapter twice); else that is refused."""
         self.check_new_name(info.name)
-        for other in self._adapters.values():
+        for other in () if alias else self._adapters.values():
             if other.adapter is not None and other.adapter.key == info.key:
                 raise APIError(
                     400,
@@ -186,3 +214,7 @@ class ModelResolver:
 
     def remove_adapter(self, name: str) -> None:
         self._adapters.pop(name, None)
+
+    def names_of(self, key: str) -> list[str]:
+        """The operator's adapter names whose weights are ``key``."""
+        return [n for n, e in self._adapters.items() if e.adapter and e.adapter.key == key]

@@ -54,6 +54,11 @@ class ServerSettings(BaseSettings):
         "max_completion_tokens (cut to the room the prompt leaves); None: up to the context. "
         "/v1/completions always defaults to 16, as OpenAI does",
     )
+    lora_resolver_dir: Path | None = Field(
+        None,
+        description="a request from the operator for an unknown adapter X loads DIR/X/ "
+        "(vLLM's filesystem resolver), checked like an upload",
+    )
     max_n: int = Field(16, ge=1, le=256)
     max_prompts: int = Field(64, ge=1, le=4096)
     metrics_max_tenants: int = Field(

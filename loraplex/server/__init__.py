@@ -102,18 +102,17 @@ def create_app(
 
 def mount_routes(app: LoraplexApp) -> None:
     """Every route of the app, each router with its audience (see ``access``): the one place
-    that says which kind of caller reaches what. The operator's LoRA load/unload endpoints exist
-    only without the platform, where the operator's ``--api-key`` is the only credential; on the
-    platform adapters come through the registry."""
+    that says which kind of caller reaches what. vLLM's LoRA load/unload endpoints are the
+    operator's everywhere (its ``--api-key``, or the platform's admin token); tenants' adapters
+    come through the registry."""
     table: list[tuple[APIRouter, Audience]] = [
         (openai_routes.public_router, "public"),
         (openai_routes.inference_router, "inference"),
         (tokenize_routes.router, "inference"),
         (metrics_api.router, "metrics"),
+        (openai_routes.operator_lora_router, "operator"),
     ]
-    if app.platform.tenancy is None:
-        table.append((openai_routes.operator_lora_router, "operator"))
-    else:
+    if app.platform.tenancy is not None:
         table += [
             (registry_routes.tenant_router, "tenant"),
             (usage_api.router, "tenant"),

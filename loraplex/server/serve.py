@@ -22,6 +22,7 @@ from loraplex.config import SchedulingPolicy
 from loraplex.engine.client import EngineClient
 from loraplex.engine.dp_router import ROUTING_POLICIES
 from loraplex.engine_args import ENV_PREFIX, add_engine_arguments, from_args
+from loraplex.server import vllm_flags
 from loraplex.server.metrics_server import MetricsPort
 
 
@@ -44,11 +45,7 @@ PLATFORM_POLICY: SchedulingPolicy = "fair"
 OFFLINE_POLICY: SchedulingPolicy = "fcfs"
 
 
-def _lora_module(text: str) -> tuple[str, str]:
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
-    return name, path
+_lora_module = vllm_flags.lora_module  # NAME=PATH or vLLM's {"name": .., "path": ..}
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,7 +61,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     opt("--host", "127.0.0.1", help="address to listen on")
     opt("--port", 8000, int)
-    opt("--served-model-name", None, help="the base model's name in the API")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        action=vllm_flags.ServedModelNames,
+        default=_env_default("--served-model-name", None),
+        metavar="NAME",
+        help="the base model's name in the API; more names are aliases of it (vLLM's form)",
+    )
     opt(
         "--api-key",
         None,
@@ -102,8 +106,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
             _lora_module(m) for m in os.environ.get(ENV_PREFIX + "LORA_MODULES", "").split() if m
         ],
         metavar="NAME=PATH",
-        help="adapters to load at start (PEFT directories or archives)",
+        help="adapters to load at start (PEFT directories or archives): NAME=PATH or "
+        '\'{"name": NAME, "path": PATH}\'',
     )
+    vllm_flags.add_vllm_arguments(p, opt, _env_default)
     add_engine_arguments(
         p.add_argument_group("engine"),
         env=True,
@@ -239,6 +245,10 @@ class _Server:
 
         self._server = Quiet(config)
 
+    @property
+    def uvicorn(self) -> Any:
+        return self._server
+
     def request_exit(self) -> None:
         self._server.should_exit = True
 
@@ -285,15 +295,19 @@ async def _serve(args: argparse.Namespace, config: Any, model_dir: str) -> int:
             metrics_token=args.metrics_token,
             max_request_bytes=args.max_request_bytes,
             default_max_tokens=args.default_max_tokens,
+            lora_resolver_dir=args.lora_resolver_dir,
         )
+        web = vllm_flags.uvicorn_options(args)
         store = None if args.no_platform else await _open_platform(args)
         app = create_app(client, settings, store=store)
         serving = app.platform.serving
-        for name, path in args.lora_modules:
-            info = await client.add_lora(name, path, pinned=True)
-            serving.resolver.add_adapter(info)
-        names = [serving.resolver.base_name] + [name for name, _ in args.lora_modules]
-        base_url = f"http://{args.host}:{args.port}"
+        for alias in args.served_model_aliases:
+            serving.resolver.add_base_alias(alias)
+        await app.platform.operator_adapters.load_modules(args.lora_modules)
+        names = [serving.resolver.base_name, *args.served_model_aliases]
+        names += [name for name, _ in args.lora_modules]
+        scheme = "https" if "ssl_certfile" in web else "http"
+        base_url = f"{scheme}://{args.host}:{args.port}"
         print(
             f"loraplex: serving {', '.join(names)} on {base_url}/v1 "
             f"(engine ready in {time.perf_counter() - start:.1f} s; model {model_dir}; "
@@ -320,13 +334,16 @@ async def _serve(args: argparse.Namespace, config: Any, model_dir: str) -> int:
                 port=args.port,
                 log_level=args.log_level,
                 timeout_graceful_shutdown=int(args.shutdown_timeout),
+                **web,
             )
         )
+        vllm_flags.quiet_access_log(args)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             # Graceful: stop accepting, let in-flight requests finish, shut the engine, exit 0.
             loop.add_signal_handler(sig, server.request_exit)
-        await server.serve()
+        async with vllm_flags.ssl_refresh(args, server.uvicorn):
+            await server.serve()
     finally:
         if metrics_port is not None:
             await metrics_port.stop()

@@ -1,6 +1,6 @@
 """The OpenAI-compatible endpoints (``inference_router``), health and version
-(``public_router``), and the operator's adapter endpoints of a server without the platform
-(``operator_lora_router``); ``access.mount`` gives each its audience."""
+(``public_router``), and vLLM's adapter endpoints for the operator (``operator_lora_router``:
+``operator_adapters``); ``access.mount`` gives each its audience."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from starlette.responses import Response
 from loraplex.engine.client import EngineClient
 from loraplex.platform.access import inference_caller, operator_caller
 from loraplex.platform.auth import Caller
-from loraplex.platform.deps import ServingDep
+from loraplex.platform.deps import PlatformDep, ServingDep
 from loraplex.platform.engine_state import EngineNotAnswering, read_engine_stats
-from loraplex.platform.errors import APIError, model_not_found
-from loraplex.platform.model_resolver import ModelEntry, ModelResolver
+from loraplex.platform.errors import model_not_found
+from loraplex.platform.model_resolver import ModelEntry
 from loraplex.platform.openai.protocol import (
     AdapterCard,
     ChatCompletionRequest,
@@ -106,23 +106,16 @@ async def create_chat_completion(
 
 @operator_lora_router.post("/v1/load_lora_adapter", response_model=AdapterCard)
 async def load_lora_adapter(
-    body: LoadLoRARequest, request: Request, serving: ServingDep, caller: Caller = operator
+    body: LoadLoRARequest, request: Request, platform: PlatformDep, caller: Caller = operator
 ) -> AdapterCard:
-    resolver: ModelResolver = serving.resolver
+    """vLLM's (and AIBrix's) ``{"lora_name", "lora_path"}``: 200 with the adapter's card."""
     request_record(request).caller = caller.id
-    async with resolver.lock:
-        resolver.check_new_name(body.lora_name)
-        try:
-            info = await serving.client.add_lora(
-                body.lora_name, body.lora_path, pinned=bool(body.pinned)
-            )
-        except ValueError as exc:  # AdapterError (a ValueError with a .code), without torch
-            code = str(getattr(exc, "code", "invalid_adapter"))
-            raise APIError(400, str(exc), param="lora_path", code=code) from None
-        resolver.add_adapter(info)
+    info = await platform.operator_adapters.load(
+        body.lora_name, body.lora_path, pinned=bool(body.pinned)
+    )
     return AdapterCard(
         id=info.name,
-        parent=resolver.base_name,
+        parent=platform.resolver.base_name,
         key=info.key,
         rank=info.rank,
         target_modules=list(info.target_modules),
@@ -132,24 +125,10 @@ async def load_lora_adapter(
 
 @operator_lora_router.post("/v1/unload_lora_adapter", response_model=Deleted)
 async def unload_lora_adapter(
-    body: UnloadLoRARequest, request: Request, serving: ServingDep, caller: Caller = operator
+    body: UnloadLoRARequest, request: Request, platform: PlatformDep, caller: Caller = operator
 ) -> Deleted:
-    resolver = serving.resolver
     request_record(request).caller = caller.id
-    async with resolver.lock:
-        entry = resolver.get_adapter(caller, body.lora_name)
-        if entry is None or entry.adapter is None:
-            raise APIError(
-                404,
-                f"No adapter named {body.lora_name!r} is loaded; GET /v1/models lists them.",
-                param="lora_name",
-                code="adapter_not_found",
-            )
-        try:
-            await serving.client.remove_lora(entry.adapter.key)
-        except ValueError as exc:  # still in use by running requests
-            raise APIError(409, str(exc), param="lora_name", code="adapter_in_use") from None
-        resolver.remove_adapter(body.lora_name)
+    await platform.operator_adapters.unload(body.lora_name)
     return Deleted(id=body.lora_name)
 
 

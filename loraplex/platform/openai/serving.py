@@ -547,7 +547,7 @@ class OpenAIServing:
     ) -> Generation:
         """The request's generation, its adapter loaded first if the engine lacks it (only
         here, after admission: a refused request never loads one)."""
-        await model.prepare()
+        model = await model.prepare()  # an adapter found on demand gets its key
         try:
             return Generation(
                 self.client,

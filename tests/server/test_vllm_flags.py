@@ -1,0 +1,108 @@
+"""vLLM's ``serve`` flags on ``loraplex serve``: KServe's argv for a LoRA service parses into the
+configuration it means, ``--lora-modules`` takes both forms, and TLS options are checked before
+the engine starts."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from loraplex.cli import build_parser
+from loraplex.engine_args import from_args
+from loraplex.server.serve import apply_default_policy
+from loraplex.server.vllm_flags import lora_module, uvicorn_options
+from tests.utils.kserve import kserve_argv
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    args, extra = build_parser().parse_known_args(argv)
+    assert not extra, extra
+    return args
+
+
+def test_kserves_lora_service_argv_parses_into_what_it_means(tmp_path: Path) -> None:
+    argv = kserve_argv(
+        "/mnt/models", "/tls/tls.crt", "/tls/tls.key", {"a": "/mnt/lora/a", "b": "/mnt/lora/b"}
+    )
+    assert argv[0] == "serve" and "--enable-lora" in argv and "--max-lora-rank=64" in argv
+    args = parse(argv)
+    assert args.model == "/mnt/models" and args.port == 8000
+    assert args.served_model_name == "tiny"
+    assert args.served_model_aliases == ["publishers/ns/models/tiny"]
+    assert args.lora_modules == [
+        ("a", "/mnt/lora/a"),
+        ("publishers/ns/models/a", "/mnt/lora/a"),
+        ("b", "/mnt/lora/b"),
+        ("publishers/ns/models/b", "/mnt/lora/b"),
+    ]
+    assert (args.ssl_certfile, args.ssl_keyfile) == ("/tls/tls.crt", "/tls/tls.key")
+    assert args.enable_ssl_refresh and args.disable_uvicorn_access_log and args.enable_lora
+    lora = from_args(apply_default_policy(args), model=args.model).lora
+    assert (lora.max_lora_rank, lora.max_loras, lora.max_cpu_loras) == (64, 2, 4)
+
+
+def test_newer_kserve_templates_flags_parse() -> None:
+    """What the template adds when ``vllm --version`` says 0.16 / 0.18 or later."""
+    args = parse(
+        ["serve", "/m", "--served-model-name", "x", "--disable-access-log-for-endpoints",
+         "/health,/metrics,/ping", "--shutdown-timeout", "15", "--tensor-parallel-size=1"]
+    )  # fmt: skip
+    assert args.disable_access_log_for_endpoints == "/health,/metrics,/ping"
+    assert args.shutdown_timeout == 15.0 and args.served_model_aliases == []
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("sql=/a/b", ("sql", "/a/b")),
+        ('{"name": "sql", "path": "/a/b"}', ("sql", "/a/b")),
+        ('{"name":"x/y","path":"/p","base_model_name":"m"}', ("x/y", "/p")),
+        ('\'{"name":"q","path":"/p"}\'', ("q", "/p")),  # KServe's quotes, not eval'd
+    ],
+)
+def test_lora_modules_take_both_forms(text: str, want: tuple[str, str]) -> None:
+    assert lora_module(text) == want
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("sql", "NAME=PATH"),
+        ('{"name": "sql"', "not valid JSON"),
+        ('{"name": "sql", "path": ""}', "non-empty name and path"),
+        ('{"name": "s", "path": "/p", "rank": 8}', "rank"),
+        ('["s", "/p"]', "NAME=PATH"),
+    ],
+)
+def test_bad_lora_modules_say_what_is_expected(text: str, says: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=says):
+        lora_module(text)
+
+
+def test_a_bad_lora_module_is_one_usage_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from loraplex.cli import main
+
+    assert main(["serve", "--lora-modules", '{"name": "x"}']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "non-empty name and path" in err[0]
+
+
+def test_tls_options_are_checked_before_the_engine_starts(tmp_path: Path) -> None:
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.write_text("x")
+    key.write_text("x")
+    ok = parse(["serve", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)])
+    assert uvicorn_options(ok) == {
+        "access_log": True,
+        "ssl_certfile": str(cert),
+        "ssl_keyfile": str(key),
+    }
+    for argv, says in (
+        (["--ssl-certfile", str(cert)], "go together"),
+        (["--ssl-certfile", str(cert), "--ssl-keyfile", str(tmp_path / "no")], "no such file"),
+        (["--enable-ssl-refresh"], "needs --ssl-certfile"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            uvicorn_options(parse(["serve", *argv]))
