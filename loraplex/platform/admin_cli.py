@@ -29,6 +29,7 @@ from loraplex.platform.db.models import utcnow
 from loraplex.platform.db.scope import TenantScope
 from loraplex.platform.errors import APIError
 from loraplex.platform.keys import PREFIX, display_key
+from loraplex.platform.model_access import describe
 from loraplex.platform.settings import TenancySettings
 
 CLI_ACTOR = "admin (cli)"
@@ -104,6 +105,14 @@ def add_commands(commands: Any, parser_class: type[argparse.ArgumentParser]) -> 
         help=f"comma-separated, from {','.join(tenants.TENANT_SCOPES)} (default: both)",
     )  # fmt: skip
     p.add_argument("--expires-in-days", type=positive_int, default=None, metavar="N")
+    p.add_argument("--models", type=_scopes, default=None, metavar="M1,M2", help=_MODELS_HELP)
+    p = leaf(key, "update", "rename a key or change the models it may use (from its next request)")
+    p.add_argument("tenant", metavar="TENANT")
+    p.add_argument("public_id", metavar="PUBLIC_ID", help="as listed (lpx_<id>…) or the id alone")
+    p.add_argument("--name", default=None, help="a new label for the key")
+    models = p.add_mutually_exclusive_group()
+    models.add_argument("--models", type=_scopes, default=None, metavar="M1,M2", help=_MODELS_HELP)
+    models.add_argument("--all-models", action="store_true", help="lift the key's model list")
     p = leaf(key, "list", "list TENANT's keys (never their secrets)")
     p.add_argument("tenant", metavar="TENANT")
     p = leaf(key, "revoke", "revoke a key: it is refused from the next request on")
@@ -114,6 +123,10 @@ def add_commands(commands: Any, parser_class: type[argparse.ArgumentParser]) -> 
     leaf(token, "rotate", "replace the admin token and print the new one (the old one stops)")
 
 
+_MODELS_HELP = (
+    "comma-separated: the only models the key may use (the base model's name, adapter names, "
+    "name@N); others answer 404 as if missing (default: every model)"
+)
 _QUOTA_FLAGS = {  # flag: help, in QUOTA_FIELDS order
     "--rpm": "requests per minute",
     "--tpm": "tokens per minute",
@@ -261,6 +274,7 @@ def _admin(args: argparse.Namespace, settings: TenancySettings, out: Any, err: A
             ("tenant", "update"): _tenant_update,
             ("tenant", "list"): _tenant_list,
             ("key", "create"): _key_create,
+            ("key", "update"): _key_update,
             ("key", "list"): _key_list,
             ("key", "revoke"): _key_revoke,
             ("token", "rotate"): _token_rotate,
@@ -394,17 +408,46 @@ def _key_create(
     def create(session: Session) -> tuple[str, str, list[str]]:
         tenant = tenants.require_tenant(session, args.tenant)
         key, new = tenants.create_key(
-            session, CLI_ACTOR, tenant, name=args.name, scopes=args.scopes, expires_at=expires
-        )
+            session, CLI_ACTOR, tenant, name=args.name, scopes=args.scopes, expires_at=expires,
+            allowed_models=args.models,
+        )  # fmt: skip
         return new.token, display_key(key.public_id, key.last4), list(key.scopes)
 
     token, shown, scopes = db.call(create)
     print(token, file=out, flush=True)
     print(
         f"loraplex: created key {shown} for tenant {args.tenant} (scopes {', '.join(scopes)}; "
-        f"expires {_day(expires) + ' UTC' if expires else 'never'}); the key above is shown only "
-        "this once, store it now",
+        f"models {describe(args.models)}; expires {_day(expires) + ' UTC' if expires else 'never'}"
+        "); the key above is shown only this once, store it now",
         file=err,
+    )
+
+
+def _key_update(
+    args: argparse.Namespace, settings: TenancySettings, db: Database, out: Any, err: Any
+) -> None:
+    if args.name is None and args.models is None and not args.all_models:
+        raise APIError(
+            400, "Nothing to change: give --name, --models M1,M2 or --all-models.", param="key"
+        )
+    public_id = public_id_of(args.public_id)
+    models: list[str] | tenants.Unchanged | None = tenants.UNCHANGED
+    if args.all_models:
+        models = None
+    elif args.models is not None:
+        models = args.models
+
+    def update(session: Session) -> tuple[str, list[str] | None]:
+        tenant = tenants.require_tenant(session, args.tenant)
+        key = tenants.update_key(
+            session, CLI_ACTOR, tenant, public_id, name=args.name, allowed_models=models
+        )
+        return display_key(key.public_id, key.last4), key.allowed_models
+
+    shown, allowed = db.call(update)
+    print(
+        f"key {shown} of tenant {args.tenant}: models {describe(allowed)}, from its next request",
+        file=out,
     )
 
 
@@ -427,6 +470,7 @@ def _key_list(
                     _day(k.created_at),
                     _day(k.last_used_at),
                     _day(k.expires_at),
+                    "all" if k.allowed_models is None else ",".join(k.allowed_models),
                     k.name,
                 ]
             )
@@ -438,7 +482,8 @@ def _key_list(
             f"tenant {args.tenant} has no keys; loraplex admin key create {args.tenant}", file=err
         )
         return
-    header = ["KEY", "PUBLIC_ID", "STATUS", "SCOPES", "CREATED", "LAST_USED", "EXPIRES", "NAME"]
+    header = ["KEY", "PUBLIC_ID", "STATUS", "SCOPES", "CREATED", "LAST_USED", "EXPIRES", "MODELS",
+              "NAME"]  # fmt: skip
     _table([header, *rows], out)
 
 

@@ -36,7 +36,7 @@ _SNAPSHOT_FIELDS: dict[type[Any], tuple[str, ...]] = {
         "weight",
         "max_priority",
     ),
-    ApiKey: ("name", "public_id", "last4", "scopes", "expires_at", "revoked_at"),
+    ApiKey: ("name", "public_id", "last4", "scopes", "allowed_models", "expires_at", "revoked_at"),
     Adapter: ("name", "description"),
     AdapterVersion: (
         "number",

@@ -37,6 +37,8 @@ class Caller:
     key_id: str | None = None  # public part of the key used, for usage rows and audit
     cache_salt: str = ""  # joins the prefix-cache keys: tenants never share KV blocks
     max_priority: int | None = None  # the most urgent request priority allowed; None: any
+    # The key's model allowlist (``model_access``); None: every model the caller can see.
+    allowed_models: tuple[str, ...] | None = None
 
     @property
     def kind(self) -> CallerKind:

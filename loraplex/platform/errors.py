@@ -164,6 +164,12 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
             "'Content-Type: application/json'.",
             None,
         )
+    if kind == "unknown_fields":  # api.bodies.StrictBody: names every unknown field
+        ctx = err.get("ctx") or {}
+        field = str(ctx.get("field", ""))
+        where = f"'{param}'" if param else "the request body"
+        text = str(ctx.get("message", err.get("msg", ""))).replace("<where>", where)
+        return text, f"{param}.{field}" if param else field
     if param is None:
         if kind == "missing":
             return "The request has no body; send a JSON object with the request fields.", None

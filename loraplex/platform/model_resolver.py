@@ -29,6 +29,7 @@ from typing import Protocol
 from loraplex.engine.client import AdapterInfo, EngineClient
 from loraplex.platform.auth import Caller
 from loraplex.platform.errors import APIError, model_not_found
+from loraplex.platform.model_access import allows
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,11 @@ class ModelResolver:
         self._aliases.append(name)
 
     async def lookup(self, caller: Caller, name: str) -> ResolvedModel:
-        """The model ``name`` as ``caller`` may use it; 404 ``model_not_found`` otherwise."""
+        """The model ``name`` as ``caller`` may use it; 404 ``model_not_found`` otherwise.
+        A name outside the caller's key allowlist is refused before any lookup, with the
+        same 404 as a missing model: the answer never depends on what exists."""
+        if not allows(caller.allowed_models, name):
+            raise model_not_found(name)
         if self.is_base(name):
             return self._base(caller)
         if caller.tenant_id is not None and self.tenant_models is not None:
@@ -149,11 +154,14 @@ class ModelResolver:
         return self.resolve(caller, name)
 
     async def models(self, caller: Caller) -> list[ModelEntry]:
-        """What ``caller`` may use: the base model first, then adapters by name."""
+        """What ``caller`` may use: the base model first, then adapters by name (within the
+        key's allowlist)."""
         if caller.tenant_id is not None and self.tenant_models is not None:
             base = ModelEntry(self.base_name, self._created, None)
-            return [base, *await self.tenant_models.list_models(caller)]
-        return self.list_models(caller)
+            entries = [base, *await self.tenant_models.list_models(caller)]
+        else:
+            entries = self.list_models(caller)
+        return [e for e in entries if allows(caller.allowed_models, e.name)]
 
     def _base(self, caller: Caller) -> ResolvedModel:
         keys = () if self.share_base_prefix_cache else caller.cache_extra_keys

@@ -133,4 +133,5 @@ class TenantAuthenticator:
             key_id=key.public_id,
             cache_salt=tenant.cache_salt,
             max_priority=tenant.max_priority,
+            allowed_models=None if key.allowed_models is None else tuple(key.allowed_models),
         )

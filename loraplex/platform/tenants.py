@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import enum
 import logging
 import re
 import secrets
@@ -29,6 +30,7 @@ from loraplex.platform.db.models import ApiKey, Tenant, utcnow
 from loraplex.platform.db.scope import TenantScope
 from loraplex.platform.errors import NOT_FOUND, APIError
 from loraplex.platform.keys import NewKey, generate_key
+from loraplex.platform.model_access import check_allowed_models
 
 if TYPE_CHECKING:
     from loraplex.engine.client import EngineClient
@@ -286,9 +288,12 @@ def create_key(
     name: str = "",
     scopes: Iterable[str] = DEFAULT_KEY_SCOPES,
     expires_at: dt.datetime | None = None,
+    allowed_models: Iterable[str] | None = None,
 ) -> tuple[ApiKey, NewKey]:
-    """A new key for ``tenant``; the returned ``NewKey.token`` is the only copy of the secret."""
+    """A new key for ``tenant``; the returned ``NewKey.token`` is the only copy of the secret.
+    ``allowed_models``: the only models it may use (``model_access``); None: every model."""
     scope_list = check_scopes(scopes)
+    models = check_allowed_models(allowed_models)
     if expires_at is not None and expires_at.tzinfo is None:
         raise APIError(400, "expires_at needs a time zone.", param="expires_at")
     new = generate_key()
@@ -300,6 +305,7 @@ def create_key(
             last4=new.last4,
             scopes=scope_list,
             expires_at=expires_at,
+            allowed_models=models,
         )
     )
     session.flush()
@@ -322,6 +328,44 @@ def key_not_found(public_id: str) -> APIError:
         param="key",
         code="key_not_found",
     )
+
+
+class Unchanged(enum.Enum):
+    """``update_key``'s default: leave the field as it is (None means every model)."""
+
+    UNCHANGED = "unchanged"
+
+
+UNCHANGED = Unchanged.UNCHANGED
+
+
+def update_key(
+    session: Session,
+    actor: str,
+    tenant: Tenant,
+    public_id: str,
+    *,
+    name: str | None = None,
+    allowed_models: Iterable[str] | Unchanged | None = UNCHANGED,
+) -> ApiKey:
+    """Rename a key or change its model allowlist (None: every model); applies from the key's
+    next request. Audited as ``key.update`` when anything changed."""
+    key = TenantScope(session, tenant.id).key(public_id)
+    if key is None:
+        raise key_not_found(public_id)
+    before = audit.snapshot(key)
+    if name is not None:
+        key.name = name[:100]
+    if not isinstance(allowed_models, Unchanged):
+        key.allowed_models = check_allowed_models(allowed_models)
+    session.flush()
+    after = audit.snapshot(key)
+    if after != before:
+        audit.record(
+            session, actor, "key.update", "api_key", public_id, tenant_name=tenant.name,
+            before=before, after=after,
+        )  # fmt: skip
+    return key
 
 
 def revoke_key(session: Session, actor: str, tenant: Tenant, public_id: str) -> ApiKey:

@@ -1,5 +1,6 @@
-"""The Keys pages: every tenant's API keys, create a key (its secret shown exactly once), revoke a
-key (after a confirmation form).
+"""The Keys pages: every tenant's API keys, create a key (its secret shown exactly once, its
+models optionally limited), change a key's name and models, revoke a key (after a confirmation
+form).
 
 The secret is shown once without ever being resent: the POST that creates a key keeps the token
 in ``OneTimeSecrets`` (memory, bound to the operator's session) and redirects to the key's
@@ -11,12 +12,14 @@ Routes::
     GET  /admin/keys                     ?tenant=<name>&status=<active|revoked|expired>&before=<id>
     GET  /admin/keys/new                 ?tenant=<name>       POST /admin/keys
     GET  /admin/keys/{public_id}/created
+    GET  /admin/keys/{public_id}/edit    POST (same path)
     GET  /admin/keys/{public_id}/revoke  POST (same path)
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlencode
@@ -32,6 +35,7 @@ from loraplex.platform.db.models import ApiKey, Tenant, utcnow
 from loraplex.platform.db.scope import TenantScope, find_key
 from loraplex.platform.errors import APIError
 from loraplex.platform.keys import display_key
+from loraplex.platform.model_access import check_allowed_models, describe
 from loraplex.webui.context import (
     Admin,
     FormPost,
@@ -64,6 +68,11 @@ SCOPES: tuple[tuple[str, str], ...] = (
     (SCOPE_ADAPTERS_WRITE, "adapters:write — upload and delete adapters"),
 )
 STATUSES = ("active", "expired", "revoked")
+MODELS_HINT = (
+    "Optional: the only models the key may use, separated by commas: the base model's name, "
+    "adapter names (every version) or name@N (one version). Others answer 404, as if missing. "
+    "Leave blank for every model."
+)
 
 router = APIRouter(include_in_schema=False)
 
@@ -95,6 +104,7 @@ def key_rows(keys: Sequence[tuple[ApiKey, str]], now: dt.datetime) -> list[dict[
             "name": key.name,
             "display": display_key(key.public_id, key.last4),
             "scopes": ", ".join(key.scopes),
+            "models": describe(key.allowed_models),
             "created": fmt_time(key.created_at)[:10],
             "created_full": fmt_time(key.created_at),
             "last_used": fmt_ago(key.last_used_at, now),
@@ -206,14 +216,33 @@ def _form_page(
         errors=errors or FormErrors(),
         scopes=SCOPES,
         max_days=MAX_EXPIRY_DAYS,
+        models_hint=MODELS_HINT,
     )
 
 
 @router.get(LIST + "/new")
 async def new_key(request: Request, admin: SignedIn) -> Response:
     tenant = request.query_params.get("tenant", "").strip()[:64]
-    values = {"tenant": tenant, "name": "", "scopes": [s for s, _ in SCOPES], "expires_days": ""}
+    values = {
+        "tenant": tenant,
+        "name": "",
+        "scopes": [s for s, _ in SCOPES],
+        "expires_days": "",
+        "allowed_models": "",
+    }
     return _form_page(request, admin, values)
+
+
+def _models(text: str, errors: FormErrors) -> list[str] | None:
+    """The form's model list (commas or new lines); blank: every model."""
+    names = [n for n in re.split(r"[,\n]", text) if n.strip()]
+    if not names:
+        return None
+    try:
+        return check_allowed_models(names, param="allowed_models")
+    except APIError as error:
+        errors.add_api_error(error)
+        return None
 
 
 def _expiry(text: str, errors: FormErrors, now: dt.datetime) -> dt.datetime | None:
@@ -240,6 +269,7 @@ async def create_key(request: Request, admin: FormPost) -> Response:
         "name": admin.field("name").strip(),
         "scopes": scopes,
         "expires_days": admin.field("expires_days").strip(),
+        "allowed_models": admin.field("allowed_models").strip(),
     }
     errors = FormErrors()
     if not values["tenant"]:
@@ -249,6 +279,7 @@ async def create_key(request: Request, admin: FormPost) -> Response:
     if not scopes:
         errors["scopes"] = "Tick at least one scope: a key without scopes can do nothing."
     expires_at = _expiry(values["expires_days"], errors, now)
+    models = _models(values["allowed_models"], errors)
     if errors:
         return _form_page(request, admin, values, errors, status=400)
 
@@ -262,8 +293,9 @@ async def create_key(request: Request, admin: FormPost) -> Response:
                 param="tenant",
             )
         key, new = service.create_key(
-            session, WEB_ACTOR, tenant, name=values["name"], scopes=scopes, expires_at=expires_at
-        )
+            session, WEB_ACTOR, tenant, name=values["name"], scopes=scopes, expires_at=expires_at,
+            allowed_models=models,
+        )  # fmt: skip
         return key.public_id, new.token
 
     try:
@@ -295,6 +327,71 @@ async def key_created(request: Request, public_id: str, admin: SignedIn) -> Resp
     return render(
         request, "keys_created.html", admin=admin, title="API key created", key=key, token=token
     )
+
+
+# ---- edit: name and models ---------------------------------------------------------------------
+
+
+def _edit_page(
+    request: Request,
+    admin: Admin,
+    key: dict[str, Any],
+    values: dict[str, str],
+    errors: FormErrors | None = None,
+    status: int = 200,
+) -> Response:
+    return render(
+        request,
+        "keys_edit.html",
+        admin=admin,
+        status=status,
+        title="Edit API key",
+        key=key,
+        values=values,
+        errors=errors or FormErrors(),
+        models_hint=MODELS_HINT,
+    )
+
+
+@router.get(LIST + "/{public_id}/edit")
+async def edit_key(request: Request, public_id: str, admin: SignedIn) -> Response:
+    now = utcnow()
+
+    def read(session: Session) -> tuple[dict[str, Any], dict[str, str]]:
+        key, tenant = _key_or_404(session, public_id)
+        models = ", ".join(key.allowed_models) if key.allowed_models is not None else ""
+        return key_rows([(key, tenant.name)], now)[0], {"name": key.name, "allowed_models": models}
+
+    key, values = await webui_of(request).store.db.run(read)
+    return _edit_page(request, admin, key, values)
+
+
+@router.post(LIST + "/{public_id}/edit")
+async def save_key(request: Request, public_id: str, admin: FormPost) -> Response:
+    now = utcnow()
+    values = {
+        "name": admin.field("name").strip(),
+        "allowed_models": admin.field("allowed_models").strip(),
+    }
+    errors = FormErrors()
+    if len(values["name"]) > 100:
+        errors["name"] = "A key's name is at most 100 characters."
+    models = _models(values["allowed_models"], errors)
+
+    def save(session: Session) -> tuple[dict[str, Any], str]:
+        key, tenant = _key_or_404(session, public_id)
+        if not errors:
+            service.update_key(
+                session, WEB_ACTOR, tenant, public_id, name=values["name"], allowed_models=models
+            )
+        return key_rows([(key, tenant.name)], now)[0], tenant.name
+
+    key, tenant = await webui_of(request).store.db.run(save)
+    if errors:
+        return _edit_page(request, admin, key, values, errors, status=400)
+    admin.flash("success", f"Key {key['display']} saved: models {key['models']}, from its next "
+                "request.")  # fmt: skip
+    return redirect(request, f"/admin/tenants/{tenant}")
 
 
 # ---- revoke ------------------------------------------------------------------------------------

@@ -52,10 +52,10 @@ def test_schema_tenants_keys_and_token_from_the_shell(
     assert code == 1 and "loraplex db upgrade" in one_error_line(err)
 
     code, out, _ = cli(capsys, "db", "upgrade", *url)
-    assert code == 0 and "from empty to 0003" in out
-    assert migrate.current(empty_database_url) == "0003"
+    assert code == 0 and f"from empty to {migrate.head()}" in out
+    assert migrate.current(empty_database_url) == migrate.head()
     code, out, _ = cli(capsys, "db", "current", *url)
-    assert out.startswith("0003 (up to date)")
+    assert out.startswith(f"{migrate.head()} (up to date)")
 
     code, out, _ = cli(
         capsys, "admin", "tenant", "create", "acme", "--display-name", "Acme Corp",
@@ -295,3 +295,43 @@ def test_tenant_scheduling_and_limits_from_the_shell(
             assert actions == ["tenant.create", "tenant.update"]  # the no-op wrote nothing
     finally:
         db.dispose()
+
+
+def test_key_model_lists_from_the_shell(
+    capsys: pytest.CaptureFixture[str], empty_database_url: str
+) -> None:
+    """Issue 34.3: ``--models`` on create, ``key update --models / --all-models``, listed; on
+    SQLite and PostgreSQL (the column comes from migration 0004)."""
+    url = ("--database-url", empty_database_url)
+    assert cli(capsys, "db", "upgrade", *url)[0] == 0
+    assert cli(capsys, "admin", "tenant", "create", "acme", *url)[0] == 0
+    code, out, err = cli(capsys, "admin", "key", "create", "acme", "--models", "pirate, caps@1",
+                         *url)  # fmt: skip
+    assert code == 0 and "models pirate, caps@1" in err
+    public_id = parse_key(out.strip())[0]  # type: ignore[index]
+    code, out, _ = cli(capsys, "admin", "key", "list", "acme", *url)
+    assert out.split()[7] == "MODELS" and out.splitlines()[1].split()[-1] == "pirate,caps@1"
+
+    code, out, _ = cli(capsys, "admin", "key", "update", "acme", public_id, "--models", "caps",
+                       *url)  # fmt: skip
+    assert code == 0 and "models caps, from its next request" in out
+    code, out, _ = cli(capsys, "admin", "key", "update", "acme", public_id, "--all-models", *url)
+    assert code == 0 and "models all models" in out
+    code, out, _ = cli(capsys, "admin", "key", "list", "acme", *url)
+    assert out.splitlines()[1].split()[-1] == "all"  # the key has no name: models come last
+    db = Database(empty_database_url)
+    try:
+        with db.session() as session:
+            key = session.scalars(select(ApiKey)).one()
+            assert key.allowed_models is None
+            events = session.scalars(
+                select(AuditEvent).where(AuditEvent.action == "key.update").order_by(AuditEvent.id)
+            ).all()
+            assert [e.after["allowed_models"] for e in events if e.after] == [["caps"], None]
+    finally:
+        db.dispose()
+
+    code, _, err = cli(capsys, "admin", "key", "update", "acme", public_id, *url)
+    assert code == 1 and "--models M1,M2 or --all-models" in one_error_line(err)
+    code, _, err = cli(capsys, "admin", "key", "update", "acme", public_id, "--models", ",", *url)
+    assert code == 1 and "list at least one model" in one_error_line(err)

@@ -125,6 +125,7 @@ async def test_another_session_never_sees_the_secret(web: WebEnv) -> None:
         ({"tenant": "acme", "expires_days": "0"}, "expires_days", "whole number of days", 400),
         ({"tenant": "acme", "expires_days": "9999"}, "expires_days", "from 1 to 3,650", 400),
         ({"tenant": "acme", "name": "x" * 101}, "name", "at most 100 characters", 400),
+        ({"tenant": "acme", "allowed_models": "a b"}, "allowed_models", "without spaces", 400),
     ],
 )
 async def test_a_bad_key_form_comes_back_with_the_message_inline(
@@ -245,3 +246,43 @@ async def test_every_url_keeps_a_path_prefix(web: WebEnv) -> None:
             assert urls and all(u.startswith("/lp/admin") for u in urls), (path, urls)
         done = await post_form(http, revoke, revoke, {"back": "/admin/keys"})
         assert done.headers["location"] == "/lp/admin/keys"
+
+
+async def test_a_key_limited_to_models_in_the_form_and_edited_later(web: WebEnv) -> None:
+    """Issue 34.3 in the UI: the key form's Models field, the Models column, the edit page;
+    the API follows from the key's next request."""
+    make_tenant(web, "acme")
+    async with web.http() as http:
+        await sign_in(http)
+        form = await http.get("/admin/keys/new", params={"tenant": "acme"})
+        assert 'name="allowed_models"' in form.text and "every version" in form.text
+        response = await new_key(http, tenant="acme", allowed_models="pirate, caps@1\npirate")
+        assert response.status_code == 303, response.text
+        public_id = response.headers["location"].split("/")[3]
+        token = KEY.findall((await http.get(response.headers["location"])).text)[0]
+        assert key_row(web, public_id).allowed_models == ["pirate", "caps@1"]
+        listed = await http.get("/admin/keys")
+        assert "<th" in listed.text and ">Models<" in listed.text
+        assert "pirate, caps@1" in listed.text
+        refused = await http.get("/v1/models/tiny-model", headers=bearer(token))
+        assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
+
+        edit = f"/admin/keys/{public_id}/edit"
+        page = await http.get(edit)
+        assert 'value="pirate, caps@1"' in page.text
+        bad = await post_form(http, edit, edit, {"name": "n", "allowed_models": "a b"})
+        assert bad.status_code == 400 and 'id="f-allowed_models-help"' in bad.text
+        saved = await post_form(http, edit, edit, {"name": "base only",
+                                                   "allowed_models": "tiny-model"})  # fmt: skip
+        assert saved.status_code == 303 and saved.headers["location"] == "/admin/tenants/acme"
+        tenant_page = await http.get("/admin/tenants/acme")
+        assert "models tiny-model, from its next request" in tenant_page.text
+        models = (await http.get("/v1/models", headers=bearer(token))).json()["data"]
+        assert [m["id"] for m in models] == ["tiny-model"]
+        cleared = await post_form(http, edit, edit, {"name": "base only", "allowed_models": ""})
+        assert cleared.status_code == 303
+    row = key_row(web, public_id)
+    assert row.allowed_models is None and row.name == "base only"
+    with web.store.db.session() as session:
+        actions = session.scalars(select(AuditEvent.action).order_by(AuditEvent.id)).all()
+        assert actions.count("key.update") == 2

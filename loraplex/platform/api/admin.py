@@ -4,9 +4,9 @@ audit log and the engine's state.
 Every route needs the ``admin`` scope, which only the operator's admin token gives (tenant keys
 never carry it: 403; no or a bad token: 401). The tenant and key logic is
 ``loraplex.platform.tenants`` (shared with the ``loraplex admin`` CLI); every change writes its
-audit event in the same transaction, with the operator as the actor. Request bodies ignore
-unknown fields, as OpenAI's do, except inside ``quotas``, where a misspelt limit must not pass
-silently.
+audit event in the same transaction, with the operator as the actor. Every request body refuses
+unknown fields (400 naming them, ``api.bodies.StrictBody``): a misspelt or misplaced setting
+must not look applied.
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ import dataclasses
 import datetime as dt
 import logging
 from functools import partial
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi import APIRouter, Depends, Query
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StrictFloat, StrictInt
+from pydantic import AwareDatetime, BaseModel, Field, StrictFloat, StrictInt
 from sqlalchemy.orm import Session
 
 from loraplex.platform import audit, tenants, usage
 from loraplex.platform.access import operator_caller
+from loraplex.platform.api.bodies import StrictBody
 from loraplex.platform.auth import Caller
 from loraplex.platform.db.models import ApiKey, Tenant, utcnow
 from loraplex.platform.deps import ClientDep, StoreDep, TenantsDep, UsageDep
@@ -44,10 +45,21 @@ operator = Depends(operator_caller)  # the router's audience is "operator" (app.
 # ---- bodies and views --------------------------------------------------------------------------
 
 
-class QuotasBody(BaseModel):
+# Short names operators type for the quotas, and where each belongs.
+_QUOTA_ALIASES = {
+    "rpm": "requests_per_minute",
+    "tpm": "tokens_per_minute",
+    "max_concurrent": "max_concurrent_requests",
+    "concurrency": "max_concurrent_requests",
+}
+
+
+class QuotasBody(StrictBody):
     """Limits; null = unlimited. In a PATCH only the limits given change."""
 
-    model_config = ConfigDict(extra="forbid")
+    unknown_hints: ClassVar[dict[str, str]] = {
+        short: f"For {short!r} write {full!r}." for short, full in _QUOTA_ALIASES.items()
+    }
 
     requests_per_minute: StrictInt | None = None
     tokens_per_minute: StrictInt | None = None
@@ -62,7 +74,19 @@ _WEIGHT = (
 _MAX_PRIORITY = "the most urgent request priority the tenant may send (lower runs earlier)"
 
 
-class TenantCreate(BaseModel):
+def _quota_hint(field: str, full: str) -> str:
+    return f'Limits go inside "quotas": {{"quotas": {{"{full}": 2}}}} (for {field!r}).'
+
+
+# A quota given beside "quotas" instead of inside it, by its name or a short one.
+_TENANT_HINTS = {f: _quota_hint(f, f) for f in tenants.QUOTA_FIELDS} | {
+    short: _quota_hint(short, full) for short, full in _QUOTA_ALIASES.items()
+}
+
+
+class TenantCreate(StrictBody):
+    unknown_hints: ClassVar[dict[str, str]] = _TENANT_HINTS
+
     name: str = Field(description="a slug: lowercase letters, digits, '-' and '_'")
     display_name: str = Field("", max_length=200)
     quotas: QuotasBody | None = None
@@ -70,7 +94,9 @@ class TenantCreate(BaseModel):
     max_priority: StrictInt = Field(0, description=_MAX_PRIORITY)
 
 
-class TenantUpdate(BaseModel):
+class TenantUpdate(StrictBody):
+    unknown_hints: ClassVar[dict[str, str]] = _TENANT_HINTS
+
     display_name: str | None = Field(None, max_length=200)
     status: Literal["active", "suspended"] | None = None
     quotas: QuotasBody | None = None
@@ -78,10 +104,24 @@ class TenantUpdate(BaseModel):
     max_priority: StrictInt | None = Field(None, description=_MAX_PRIORITY)
 
 
-class KeyCreate(BaseModel):
+_ALLOWED_MODELS = (
+    "the only models the key may use: the base model's name, adapter names (every version) "
+    "and 'name@N' (one version); others answer 404 model_not_found. null: every model"
+)
+
+
+class KeyCreate(StrictBody):
     name: str = Field("", max_length=100)
     scopes: list[str] | None = Field(None, description="default: inference, adapters:write")
     expires_at: AwareDatetime | None = None
+    allowed_models: list[str] | None = Field(None, description=_ALLOWED_MODELS)
+
+
+class KeyUpdate(StrictBody):
+    """Only the fields given change; ``allowed_models: null`` lifts the limit."""
+
+    name: str | None = Field(None, max_length=100)
+    allowed_models: list[str] | None = Field(None, description=_ALLOWED_MODELS)
 
 
 class TenantView(BaseModel):
@@ -123,6 +163,7 @@ class KeyView(BaseModel):
     name: str
     display: str  # lpx_<public id>…<last 4>
     scopes: list[str]
+    allowed_models: list[str] | None  # None: every model of the tenant
     status: Literal["active", "expired", "revoked"]
     created_at: dt.datetime
     last_used_at: dt.datetime | None
@@ -141,6 +182,7 @@ class KeyView(BaseModel):
             name=key.name,
             display=display_key(key.public_id, key.last4),
             scopes=list(key.scopes),
+            allowed_models=None if key.allowed_models is None else list(key.allowed_models),
             status=status,
             created_at=key.created_at,
             last_used_at=key.last_used_at,
@@ -283,6 +325,7 @@ async def create_key(
             name=body.name,
             scopes=body.scopes if body.scopes is not None else tenants.DEFAULT_KEY_SCOPES,
             expires_at=body.expires_at,
+            allowed_models=body.allowed_models,
         )
         return NewKeyView(**KeyView.of(key, now).model_dump(exclude={"object"}), key=new.token)
 
@@ -298,6 +341,29 @@ async def list_keys(store: StoreDep, tenant: str, caller: Caller = operator) -> 
         return KeyList(data=[KeyView.of(k, now) for k in tenants.list_keys(session, row)])
 
     return await store.db.run(read)
+
+
+@router.patch("/tenants/{tenant}/keys/{public_id}", response_model=KeyView)
+async def update_key(
+    store: StoreDep, tenant: str, public_id: str, body: KeyUpdate, caller: Caller = operator
+) -> Any:
+    """Rename a key or change the models it may use (``allowed_models``: a list, or null for
+    every model); applies from the key's next request."""
+    given = body.model_fields_set
+
+    def update(session: Session) -> KeyView:
+        row = tenants.require_tenant(session, tenant)
+        key = tenants.update_key(
+            session,
+            caller.id,
+            row,
+            public_id,
+            name=body.name,
+            allowed_models=body.allowed_models if "allowed_models" in given else tenants.UNCHANGED,
+        )
+        return KeyView.of(key, utcnow())
+
+    return await store.db.run(update)
 
 
 @router.delete("/tenants/{tenant}/keys/{public_id}", response_model=KeyView)

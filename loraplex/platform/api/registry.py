@@ -2,7 +2,9 @@
 under ``/admin/api/tenants/{tenant}/adapters`` for the operator.
 
 Reads take any valid tenant key; uploads and deletes need the ``adapters:write`` scope. The
-tenant is always the key's: fields such as ``tenant`` or ``owner`` in an upload are ignored.
+tenant is always the key's: fields such as ``tenant`` or ``owner`` in a tenant's upload are
+ignored. The operator's upload, like every admin body, refuses text fields it does not know
+(400 naming them) rather than drop them.
 Responses never hold storage paths. The operator may also retry a version whose engine load
 failed (``POST .../adapters/{name}/versions/{number}/retry``): its next request loads it again.
 """
@@ -19,7 +21,7 @@ from loraplex.platform import tenants
 from loraplex.platform.access import OperatorCaller, TenantCaller, TenantWriter
 from loraplex.platform.auth import Caller
 from loraplex.platform.deps import RegistryDep
-from loraplex.platform.errors import PERMISSION, APIError
+from loraplex.platform.errors import PERMISSION, APIError, clip
 from loraplex.platform.registry.records import AdapterView, VersionView
 from loraplex.platform.registry.service import Registry, parse_tenant_id
 from loraplex.platform.registry.upload import check_content_length, receive_upload
@@ -120,7 +122,29 @@ async def _tenant_named(registry: Registry, name: str) -> int:
     return await registry.db.run(lambda s: tenants.require_tenant(s, name).id)
 
 
-async def _upload(request: Request, registry: Registry, tenant_id: int, actor: str) -> AdapterCard:
+# The text fields an upload reads (``Registry.upload``); the files are recognised by their names.
+UPLOAD_FIELDS = ("name", "description")
+
+
+def _refuse_unknown_fields(fields: dict[str, str]) -> None:
+    unknown = [f for f in fields if f not in UPLOAD_FIELDS]
+    if unknown:
+        names = ", ".join(clip(f, 40) for f in unknown[:10])
+        raise APIError(
+            400,
+            f"Unknown form field{'s' if len(unknown) > 1 else ''} {names} in the upload; remove "
+            f"{'them' if len(unknown) > 1 else 'it'}. An upload takes the text fields "
+            f"{', '.join(UPLOAD_FIELDS)} and the adapter's files (adapter_config.json and "
+            "*.safetensors, or one .zip / .tar.gz / .tar); the tenant is the one in the path.",
+            param=unknown[0][:40],
+            code="invalid_value",
+        )
+
+
+async def _upload(
+    request: Request, registry: Registry, tenant_id: int, actor: str, *, strict: bool = False
+) -> AdapterCard:
+    """``strict``: unknown text fields are a 400 (the operator's route)."""
     limit = registry.settings.max_adapter_bytes
     check_content_length(request.headers, limit)
     with registry.upload_slots.hold():  # 429 when full; given back however the upload ends
@@ -129,6 +153,8 @@ async def _upload(request: Request, registry: Registry, tenant_id: int, actor: s
             received = await receive_upload(
                 request.stream(), request.headers.get("content-type"), work_dir / "received", limit
             )
+            if strict:
+                _refuse_unknown_fields(received.fields)
             view = await registry.upload(tenant_id, actor, received, work_dir)
         finally:
             registry.storage.discard(work_dir)
@@ -184,7 +210,9 @@ async def delete_adapter(ref: str, registry: RegistryDep, caller: TenantWriter) 
 async def admin_upload_adapter(
     tenant: str, request: Request, registry: RegistryDep, caller: OperatorCaller
 ) -> AdapterCard:
-    return await _upload(request, registry, await _tenant_named(registry, tenant), caller.id)
+    """Multipart, as ``POST /v1/adapters`` takes it; unknown text fields are refused."""
+    tenant_id = await _tenant_named(registry, tenant)
+    return await _upload(request, registry, tenant_id, caller.id, strict=True)
 
 
 @operator_router.get("/admin/api/tenants/{tenant}/adapters", response_model=AdapterList)

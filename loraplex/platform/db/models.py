@@ -144,6 +144,9 @@ class ApiKey(Base):
     last_used_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), default=None)
     expires_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), default=None)
     revoked_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), default=None)
+    # The models the key may use (base name, adapter name, "name@N"); None: every model of its
+    # tenant (``loraplex.platform.model_access``).
+    allowed_models: Mapped[list[str] | None] = mapped_column(JSON, default=None)
 
     tenant: Mapped[Tenant] = relationship(back_populates="keys")
 

@@ -132,9 +132,15 @@ async def test_bad_tenant_bodies_are_400_saying_what_to_fix(
     assert listed["total"] == 0  # nothing was created
 
 
-async def test_duplicate_tenant_is_409_and_unknown_fields_are_ignored(tenancy: Any) -> None:
+async def test_duplicate_tenant_is_409_and_unknown_fields_are_refused(tenancy: Any) -> None:
     env = tenancy
-    await _create(env, "acme", owner="someone-else", tenant_id=7)  # ignored, like OpenAI
+    r = await env.http.post(
+        "/admin/api/tenants",
+        headers=env.admin_headers,
+        json={"name": "acme", "owner": "someone-else", "tenant_id": 7},
+    )  # issue 34.6: refused, never silently dropped (tests/platform/api/test_admin_strict_bodies)
+    assert r.status_code == 400 and "'owner', 'tenant_id'" in r.json()["error"]["message"]
+    await _create(env, "acme")
     r = await env.http.post("/admin/api/tenants", headers=env.admin_headers, json={"name": "acme"})
     assert r.status_code == 409 and r.json()["error"]["code"] == "tenant_exists"
 

@@ -1,0 +1,155 @@
+"""A key limited to a list of models (issue 34.3): other models answer exactly like a model that
+does not exist, through the official ``openai`` client, on the demo tenant's real adapters
+(pirate, caps) served by the embedded SmolLM2's registry engine."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from loraplex.platform.demo import DEMO_TENANT, setup_demo
+from loraplex.platform.errors import APIError, model_not_found
+from loraplex.platform.model_access import allows, check_allowed_models
+from tests.utils.registry import RegistryEngine
+from tests.utils.tenancy import TenancyEnv, bearer, tenancy_env
+
+pytestmark = pytest.mark.anyio
+
+CHAT: list[Any] = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> str:
+    from loraplex.engine.default_model import resolve_model_dir
+
+    return resolve_model_dir(None)
+
+
+@pytest.fixture
+async def demo(tmp_path: Path, smollm2: str) -> AsyncIterator[tuple[TenancyEnv, str]]:
+    """The demo tenant with its adapters, and the base model's served name."""
+    from transformers import AutoTokenizer
+
+    engine = RegistryEngine(model_dir=smollm2, vocab_size=49152, max_model_len=2048)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    async with tenancy_env(tmp_path, engine, tokenizer) as env:
+        await setup_demo(env.app.platform)
+        yield env, env.app.platform.serving.resolver.base_name
+
+
+def client(env: TenancyEnv, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        api_key=key, base_url="http://test/v1", http_client=env.http, max_retries=0
+    )
+
+
+async def new_key(env: TenancyEnv, tenant: str, **body: Any) -> dict[str, Any]:
+    r = await env.http.post(
+        f"/admin/api/tenants/{tenant}/keys", headers=env.admin_headers, json=body
+    )
+    assert r.status_code == 201, r.text
+    return dict(r.json())
+
+
+async def refusal(env: TenancyEnv, key: str, model: str) -> tuple[int, dict[str, Any]]:
+    """The raw answer (status, body) to a chat request on ``model``."""
+    r = await env.http.post(
+        "/v1/chat/completions", headers=bearer(key),
+        json={"model": model, "messages": CHAT, "max_tokens": 2},
+    )  # fmt: skip
+    return r.status_code, r.json()
+
+
+async def test_a_key_limited_to_pirate_gets_404_like_a_missing_model(
+    demo: tuple[TenancyEnv, str],
+) -> None:
+    env, base = demo
+    limited = await new_key(env, DEMO_TENANT, name="pirate only", allowed_models=["pirate"])
+    assert limited["allowed_models"] == ["pirate"]
+    pirate_only = client(env, limited["key"])
+
+    for model in ("pirate", "pirate@1"):  # the name allows every version
+        chat = await pirate_only.chat.completions.create(model=model, messages=CHAT, max_tokens=2)
+        assert chat.model == "pirate@1" and chat.choices[0].message.content is not None
+    listed = await pirate_only.models.list()
+    assert sorted(m.id for m in listed.data) == ["pirate", "pirate@1"]
+
+    # A tenant with no adapters: for it, "caps" really does not exist.
+    bare = env.tenant("bare")
+    for model in ("caps", "caps@1", base):
+        with pytest.raises(openai.NotFoundError) as refused:
+            await pirate_only.chat.completions.create(model=model, messages=CHAT, max_tokens=2)
+        assert refused.value.code == "model_not_found" and refused.value.param == "model"
+        status, body = await refusal(env, limited["key"], model)
+        assert (status, body) == (404, model_not_found(model).body())
+        if model != base:
+            assert (status, body) == await refusal(env, bare, model)  # byte for byte
+        with pytest.raises(openai.NotFoundError):
+            await pirate_only.models.retrieve(model)
+        with pytest.raises(openai.NotFoundError):
+            await pirate_only.completions.create(model=model, prompt="hi", max_tokens=2)
+        tokenize = await env.http.post("/tokenize", headers=bearer(limited["key"]),
+                                       json={"model": model, "prompt": "hi"})  # fmt: skip
+        assert tokenize.status_code == 404 and tokenize.json() == body
+    # An unknown model: the same answer as before the list was consulted.
+    status, body = await refusal(env, limited["key"], "nope")
+    assert (status, body) == await refusal(env, bare, "nope")
+
+    # The demo tenant's unlimited key still uses everything.
+    full = client(env, (await new_key(env, DEMO_TENANT))["key"])
+    for model in ("caps", base):
+        chat = await full.chat.completions.create(model=model, messages=CHAT, max_tokens=2)
+        assert chat.choices[0].finish_reason is not None
+
+
+async def test_the_allowlist_changes_from_the_next_request_and_is_audited(
+    demo: tuple[TenancyEnv, str],
+) -> None:
+    env, base = demo
+    key = await new_key(env, DEMO_TENANT, allowed_models=[base, "caps@1"])
+    url = f"/admin/api/tenants/{DEMO_TENANT}/keys/{key['id']}"
+    assert (await refusal(env, key["key"], base))[0] == 200
+    assert (await refusal(env, key["key"], "caps@1"))[0] == 200
+    assert (await refusal(env, key["key"], "caps"))[0] == 404  # one version allows only it
+
+    r = await env.http.patch(url, headers=env.admin_headers, json={"allowed_models": ["caps"]})
+    assert r.status_code == 200 and r.json()["allowed_models"] == ["caps"], r.text
+    assert r.json()["name"] == key["name"]  # only the fields given change
+    assert (await refusal(env, key["key"], base))[0] == 404
+    assert (await refusal(env, key["key"], "caps"))[0] == 200
+
+    r = await env.http.patch(url, headers=env.admin_headers, json={"allowed_models": None})
+    assert r.status_code == 200 and r.json()["allowed_models"] is None
+    assert (await refusal(env, key["key"], "pirate"))[0] == 200
+
+    events = (
+        await env.http.get("/admin/api/audit?action=key.update", headers=env.admin_headers)
+    ).json()["data"]
+    assert [e["after"]["allowed_models"] for e in reversed(events)] == [["caps"], None]
+    assert events[-1]["before"]["allowed_models"] == [base, "caps@1"]
+
+    for bad, says in (([], "at least one model"), (["a b"], "without spaces"),
+                      ([f"m{i}" for i in range(65)], "at most 64")):  # fmt: skip
+        r = await env.http.patch(url, headers=env.admin_headers, json={"allowed_models": bad})
+        assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "allowed_models"
+    missing = await env.http.patch(
+        f"/admin/api/tenants/{DEMO_TENANT}/keys/nokey", headers=env.admin_headers, json={}
+    )
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "key_not_found"
+
+
+def test_allows_matches_names_not_what_exists() -> None:
+    assert allows(None, "anything")
+    assert allows(["pirate"], "pirate") and allows(["pirate"], "pirate@7")
+    assert not allows(["pirate"], "pirate2") and not allows(["pirate"], "caps")
+    assert allows(["pirate@2"], "pirate@2")
+    assert not allows(["pirate@2"], "pirate") and not allows(["pirate@2"], "pirate@3")
+    assert check_allowed_models([" pirate ", "pirate", "caps@1"]) == ["pirate", "caps@1"]
+    assert check_allowed_models(None) is None
+    with pytest.raises(APIError):
+        check_allowed_models(["x" * 141])
