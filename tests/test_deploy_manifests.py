@@ -56,7 +56,11 @@ REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy" / "kubernetes"
 SOURCE = REPO / "loraplex"
 DOCKERFILE = (REPO / "Dockerfile").read_text()
-VARIANTS = {"cpu": DEPLOY, "gpu": DEPLOY / "gpu"}
+VARIANTS = {"cpu": DEPLOY, "gpu": DEPLOY / "gpu", "inference-stack": DEPLOY / "inference-stack"}
+GPU_VARIANTS = {"gpu", "inference-stack"}
+# Custom resources: kubernetes-validate bundles the Kubernetes API's own schemas only, so these
+# are skipped here and checked field by field in tests/test_deploy_inference_stack.py.
+CUSTOM_RESOURCES = {("inference.networking.k8s.io/v1", "InferencePool")}
 # The oldest Kubernetes the manifests are for, and the newest the pinned kubernetes-validate
 # (1.37.0) has schemas of; strict: unknown fields (a typo, a field of a newer version) fail.
 K8S_VERSIONS = ("1.30.0", "1.37.0")
@@ -280,6 +284,8 @@ def test_every_manifest_passes_the_kubernetes_schemas_in_strict_mode(version: st
     failures = []
     for path in manifest_files():
         for body in yaml.safe_load_all(path.read_text()):
+            if (body["apiVersion"], body["kind"]) in CUSTOM_RESOURCES:
+                continue
             try:
                 kubernetes_validate.validate(body, version, strict=True)
             except SchemaNotFoundError as exc:  # an unknown kind or apiVersion is a failure too
@@ -350,7 +356,10 @@ def test_the_container_runs_a_configuration_loraplex_accepts(
     assert not args.engine_in_process  # the supervisor restarts a crashed engine (liveness)
     assert args.database_url and not args.database_url.startswith("sqlite")  # replicas share it
     ports = {p["name"]: p["containerPort"] for p in variant.container["ports"]}
-    assert ports == {"http": args.port}
+    assert ports == {
+        "http": args.port,
+        **({"metrics": args.metrics_port} if args.metrics_port else {}),
+    }
 
 
 def test_service_links_would_set_the_port_so_they_are_off(
@@ -558,7 +567,7 @@ def test_gpu_pods_ask_for_the_gpus_their_engines_use(
     env = container_env(variant, service_links=False)
     limits = variant.container["resources"]["limits"]
     on_gpu = env.get("LORAPLEX_DEVICE") == "cuda"
-    assert on_gpu == (variant.name == "gpu")
+    assert on_gpu == (variant.name in GPU_VARIANTS)
     engines = parse_serve(variant, env, monkeypatch).data_parallel_size
     # one GPU per engine (--data-parallel-size), none on CPU pods
     assert int(limits.get(GPU, 0)) == (engines if on_gpu else 0)

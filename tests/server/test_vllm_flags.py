@@ -106,3 +106,64 @@ def test_tls_options_are_checked_before_the_engine_starts(tmp_path: Path) -> Non
     ):
         with pytest.raises(ValueError, match=says):
             uvicorn_options(parse(["serve", *argv]))
+
+
+class _SpyContext:
+    def __init__(self) -> None:
+        self.loaded: list[tuple[str, str]] = []
+
+    def load_cert_chain(self, certfile: str, keyfile: str) -> None:
+        self.loaded.append((certfile, keyfile))
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the server runs on asyncio
+@pytest.mark.anyio
+async def test_ssl_refresh_loads_a_renewed_certificate_into_the_servers_context(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+    import os
+    import types
+
+    from loraplex.server import vllm_flags
+
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    cert.write_text("old")
+    key.write_text("old")
+    monkeypatch.setattr(vllm_flags, "SSL_REFRESH_INTERVAL_S", 0.01)
+    args = parse(["serve", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
+                  "--enable-ssl-refresh"])  # fmt: skip
+    context = _SpyContext()
+    server = types.SimpleNamespace(config=types.SimpleNamespace(ssl=context))
+    async with vllm_flags.ssl_refresh(args, server):
+        await asyncio.sleep(0.05)
+        assert context.loaded == []  # unchanged files: nothing loaded
+        cert.write_text("new")
+        os.utime(cert, (1e9, 2e9))  # a renewal changes the modification time
+        for _ in range(100):
+            if context.loaded:
+                break
+            await asyncio.sleep(0.01)
+    assert context.loaded == [(str(cert), str(key))]
+
+
+def test_access_log_lines_of_the_named_endpoints_are_dropped() -> None:
+    import logging
+
+    from loraplex.server.vllm_flags import quiet_access_log
+
+    quiet_access_log(parse(["serve", "--disable-access-log-for-endpoints", "/health, /metrics"]))
+    access = logging.getLogger("uvicorn.access")
+    try:
+
+        def record(path: str) -> logging.LogRecord:
+            args = ("1.2.3.4:5", "GET", path, "1.1", 200)
+            return logging.LogRecord(
+                "uvicorn.access", 20, "", 0, '%s - "%s %s HTTP/%s" %d', args, None
+            )
+
+        assert not access.filter(record("/health")) and not access.filter(record("/metrics?x=1"))
+        assert access.filter(record("/v1/models"))
+    finally:
+        for f in list(access.filters):
+            access.removeFilter(f)
