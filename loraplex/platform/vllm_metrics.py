@@ -53,21 +53,24 @@ class TenantAdapterNames(Protocol):
     ) -> Mapping[tuple[int, str], tuple[str, ...]]: ...
 
 
-def operator_adapter_names(resolver: ModelResolver) -> dict[str, str]:
-    """Content hash -> name of the operator's adapters (``--lora-modules``, the operator's
-    load route): one name each (the resolver refuses a second name for loaded content)."""
-    entries = resolver.list_models(Caller(id="operator"))
-    return {e.adapter.key: e.name for e in entries if e.adapter is not None}
+def operator_adapter_names(resolver: ModelResolver) -> dict[str, tuple[str, ...]]:
+    """Content hash -> the names of the operator's adapters (``--lora-modules``, vLLM's load
+    route, the resolver directory; an alias is one more name of the same content)."""
+    names: dict[str, list[str]] = {}
+    for entry in resolver.list_models(Caller(id="operator")):
+        if entry.adapter is not None:
+            names.setdefault(entry.adapter.key, []).append(entry.name)
+    return {key: tuple(sorted(n)) for key, n in names.items()}
 
 
 class AdapterNames:
     """(tenant, content hash) -> the ``model`` strings naming it: the operator's adapters
-    (``operator``: hash -> name, read each time) and tenants' (``tenants``: the registry, read
+    (``operator``: hash -> names, read each time) and tenants' (``tenants``: the registry, read
     for pairs unseen or older than ``ttl_s``; a failed or slow read keeps what was known)."""
 
     def __init__(
         self,
-        operator: Callable[[], Mapping[str, str]],
+        operator: Callable[[], Mapping[str, tuple[str, ...]]],
         tenants: TenantAdapterNames | None = None,
         *,
         ttl_s: float = NAMES_TTL_S,
@@ -85,7 +88,7 @@ class AdapterNames:
     async def names(self, wanted: Collection[AdapterKey]) -> dict[AdapterKey, tuple[str, ...]]:
         operator = self.operator()
         out: dict[AdapterKey, tuple[str, ...]] = {
-            (t, k): (operator[k],) for t, k in wanted if t == NO_TENANT and k in operator
+            (t, k): operator[k] for t, k in wanted if t == NO_TENANT and k in operator
         }
         pairs = {(int(t), k): (t, k) for t, k in wanted if t.isdigit()}
         now = self.clock()
