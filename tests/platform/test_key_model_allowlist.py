@@ -153,3 +153,34 @@ def test_allows_matches_names_not_what_exists() -> None:
     assert check_allowed_models(None) is None
     with pytest.raises(APIError):
         check_allowed_models(["x" * 141])
+
+
+async def test_a_limited_key_sees_and_manages_only_its_adapters(
+    demo: tuple[TenancyEnv, str],
+) -> None:
+    """The registry's tenant routes follow the list too: no listing or 404 tells a pirate-only
+    key that caps exists, and it cannot delete it."""
+    env, _ = demo
+    key = (await new_key(env, DEMO_TENANT, allowed_models=["pirate"]))["key"]
+    bare = env.tenant("bare")
+    listed = await env.http.get("/v1/adapters", headers=bearer(key))
+    assert [a["id"] for a in listed.json()["data"]] == ["pirate"]
+    for method in ("GET", "DELETE"):
+        refused = await env.http.request(method, "/v1/adapters/caps", headers=bearer(key))
+        missing = await env.http.request(method, "/v1/adapters/caps", headers=bearer(bare))
+        assert refused.status_code == missing.status_code == 404
+        assert refused.json() == missing.json()
+    assert (await env.http.get("/v1/adapters/pirate@1", headers=bearer(key))).status_code == 200
+    one_version = (await new_key(env, DEMO_TENANT, allowed_models=["caps@1"]))["key"]
+    listed = await env.http.get("/v1/adapters", headers=bearer(one_version))
+    assert [(a["id"], [v["id"] for v in a["versions"]]) for a in listed.json()["data"]] == [
+        ("caps", ["caps@1"])
+    ]
+    upload = await env.http.post(
+        "/v1/adapters", headers=bearer(key), data={"name": "other"},
+        files={"files": ("adapter_config.json", b"{}", "application/json")},
+    )  # fmt: skip
+    assert upload.status_code == 403 and upload.json()["error"]["code"] == "model_not_allowed"
+    full = (await new_key(env, DEMO_TENANT))["key"]
+    still = await env.http.get("/v1/adapters", headers=bearer(full))
+    assert sorted(a["id"] for a in still.json()["data"]) == ["caps", "pirate"]

@@ -5,7 +5,9 @@ Reads take any valid tenant key; uploads and deletes need the ``adapters:write``
 tenant is always the key's: fields such as ``tenant`` or ``owner`` in a tenant's upload are
 ignored. The operator's upload, like every admin body, refuses text fields it does not know
 (400 naming them) rather than drop them.
-Responses never hold storage paths. The operator may also retry a version whose engine load
+Responses never hold storage paths. A key limited to a list of models (``model_access``) sees
+and deletes only the adapters and versions its list allows (others answer 404 exactly like a
+missing adapter) and uploads only names on its list (403). The operator may also retry a version whose engine load
 failed (``POST .../adapters/{name}/versions/{number}/retry``): its next request loads it again.
 """
 
@@ -22,7 +24,8 @@ from loraplex.platform.access import OperatorCaller, TenantCaller, TenantWriter
 from loraplex.platform.auth import Caller
 from loraplex.platform.deps import RegistryDep
 from loraplex.platform.errors import PERMISSION, APIError, clip
-from loraplex.platform.registry.records import AdapterView, VersionView
+from loraplex.platform.model_access import allows
+from loraplex.platform.registry.records import AdapterView, VersionView, adapter_not_found
 from loraplex.platform.registry.service import Registry, parse_tenant_id
 from loraplex.platform.registry.upload import check_content_length, receive_upload
 
@@ -141,10 +144,48 @@ def _refuse_unknown_fields(fields: dict[str, str]) -> None:
         )
 
 
+def _visible(view: AdapterView, allowed: tuple[str, ...] | None) -> AdapterView | None:
+    """``view`` as a key with the model list ``allowed`` sees it: whole when its name is
+    allowed, else only its allowed versions; None when none is."""
+    if allows(allowed, view.name):
+        return view
+    versions = tuple(v for v in view.versions if allows(allowed, f"{view.name}@{v.number}"))
+    if not versions:
+        return None
+    return AdapterView(view.name, view.tenant, view.description, view.created_at, versions)
+
+
+def _check_ref(caller: Caller, ref: str) -> None:
+    """404 for a ref outside the key's model list: the answer of a missing adapter."""
+    if not allows(caller.allowed_models, ref):
+        raise adapter_not_found(ref)
+
+
+def _check_upload_name(caller: Caller, fields: dict[str, str]) -> None:
+    name = fields.get("name", "")
+    if caller.allowed_models is not None and not allows(caller.allowed_models, name):
+        raise APIError(
+            403,
+            f"This API key may use only the models {', '.join(caller.allowed_models)[:200]}, so "
+            f"it cannot upload the adapter {clip(name, 70)}; upload it with a key without a "
+            "model list, or ask the operator to add the name to this key's list.",
+            type=PERMISSION,
+            param="name",
+            code="model_not_allowed",
+        )
+
+
 async def _upload(
-    request: Request, registry: Registry, tenant_id: int, actor: str, *, strict: bool = False
+    request: Request,
+    registry: Registry,
+    tenant_id: int,
+    actor: str,
+    *,
+    strict: bool = False,
+    caller: Caller | None = None,
 ) -> AdapterCard:
-    """``strict``: unknown text fields are a 400 (the operator's route)."""
+    """``strict``: unknown text fields are a 400 (the operator's route); ``caller``: the
+    tenant's key, whose model list bounds the names it may upload."""
     limit = registry.settings.max_adapter_bytes
     check_content_length(request.headers, limit)
     with registry.upload_slots.hold():  # 429 when full; given back however the upload ends
@@ -155,6 +196,8 @@ async def _upload(
             )
             if strict:
                 _refuse_unknown_fields(received.fields)
+            if caller is not None:
+                _check_upload_name(caller, received.fields)
             view = await registry.upload(tenant_id, actor, received, work_dir)
         finally:
             registry.storage.discard(work_dir)
@@ -179,26 +222,31 @@ async def upload_adapter(
     """Multipart: ``name``, optional ``description``, and the adapter as
     ``adapter_config.json`` + ``adapter_model.safetensors`` or one .zip / .tar.gz / .tar."""
     tenant_id = _own_tenant(caller)
-    return await _upload(request, registry, tenant_id, caller.id)
+    return await _upload(request, registry, tenant_id, caller.id, caller=caller)
 
 
 @tenant_router.get("/v1/adapters", response_model=AdapterList)
 async def list_adapters(registry: RegistryDep, caller: TenantCaller) -> AdapterList:
     views = await registry.list_adapters(_own_tenant(caller))
-    return AdapterList(data=[_card(v, registry.base_name()) for v in views])
+    shown = [v for v in (_visible(view, caller.allowed_models) for view in views) if v is not None]
+    return AdapterList(data=[_card(v, registry.base_name()) for v in shown])
 
 
 @tenant_router.get("/v1/adapters/{ref}", response_model=AdapterCard)
 async def get_adapter(ref: str, registry: RegistryDep, caller: TenantCaller) -> AdapterCard:
     """``name`` (every version) or ``name@N`` (that version)."""
-    view = await registry.get_adapter(_own_tenant(caller), ref)
+    tenant_id = _own_tenant(caller)
+    _check_ref(caller, ref)
+    view = await registry.get_adapter(tenant_id, ref)
     return _card(view, registry.base_name())
 
 
 @tenant_router.delete("/v1/adapters/{ref}", response_model=AdapterDeleted)
 async def delete_adapter(ref: str, registry: RegistryDep, caller: TenantWriter) -> AdapterDeleted:
     """``name`` deletes every version; ``name@N`` one version (the last one: the adapter)."""
-    return await _delete(registry, _own_tenant(caller), caller.id, ref)
+    tenant_id = _own_tenant(caller)
+    _check_ref(caller, ref)
+    return await _delete(registry, tenant_id, caller.id, ref)
 
 
 # ---- the operator, for any tenant --------------------------------------------------------------
