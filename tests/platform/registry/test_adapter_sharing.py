@@ -57,12 +57,14 @@ async def test_an_operator_unload_of_shared_content_leaves_tenants_serving(
     assert (await upload(env.http, globex, "y", a.files())).status_code == 201
     stored = str(env.store.data_dir / "adapters" / key)
 
-    # The operator's adapter endpoints (today: not on the platform) try the same content.
+    # The operator loads the same content through vLLM's adapter API, and unloads it.
     h = env.admin_headers
-    await env.http.post(
+    r = await env.http.post(
         "/v1/load_lora_adapter", json={"lora_name": "op", "lora_path": stored}, headers=h
     )
-    await env.http.post("/v1/unload_lora_adapter", json={"lora_name": "op"}, headers=h)
+    assert r.status_code == 200 and r.json()["key"] == key, r.text
+    r = await env.http.post("/v1/unload_lora_adapter", json={"lora_name": "op"}, headers=h)
+    assert r.status_code == 200, r.text
     for token, model in ((acme, "x"), (globex, "y")):
         r = await _chat_status(env.http, token, model)
         assert r.status_code == 200, r.text
