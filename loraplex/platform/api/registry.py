@@ -26,6 +26,7 @@ from loraplex.platform.deps import RegistryDep
 from loraplex.platform.errors import PERMISSION, APIError, clip
 from loraplex.platform.model_access import allows
 from loraplex.platform.registry.records import AdapterView, VersionView, adapter_not_found
+from loraplex.platform.registry.resolver import model_name
 from loraplex.platform.registry.service import Registry, parse_tenant_id
 from loraplex.platform.registry.upload import check_content_length, receive_upload
 
@@ -35,7 +36,9 @@ operator_router = APIRouter()  # any tenant's, for the operator (audience "opera
 
 class AdapterVersionCard(BaseModel):
     object: Literal["adapter.version"] = "adapter.version"
-    id: str  # "name@N": what the ``model`` field takes to use exactly this version
+    id: str  # "name@N": this version in the adapter routes' paths
+    model: str  # what the ``model`` field takes to use exactly this version (gateway mode:
+    # "tenant/name@N", also in /v1/models and the metrics; else as ``id``)
     number: int
     status: str  # validating | ready
     rank: int
@@ -48,7 +51,9 @@ class AdapterVersionCard(BaseModel):
 
 class AdapterCard(BaseModel):
     object: Literal["adapter"] = "adapter"
-    id: str  # the name: the ``model`` field's value for the newest ready version
+    id: str  # the name, in the adapter routes' paths
+    model: str  # the ``model`` field's value for the newest ready version ("tenant/name" in
+    # gateway mode, also in /v1/models and the metrics; else the name)
     owned_by: str  # the tenant
     parent: str  # the base model
     description: str
@@ -81,9 +86,10 @@ def _ts(when: dt.datetime) -> int:
     return int(when.timestamp())
 
 
-def _version_card(name: str, v: VersionView) -> AdapterVersionCard:
+def _version_card(name: str, v: VersionView, model: str) -> AdapterVersionCard:
     return AdapterVersionCard(
         id=f"{name}@{v.number}",
+        model=f"{model}@{v.number}",
         number=v.number,
         status=v.status,
         rank=v.rank,
@@ -95,16 +101,18 @@ def _version_card(name: str, v: VersionView) -> AdapterVersionCard:
     )
 
 
-def _card(view: AdapterView, base: str) -> AdapterCard:
+def _card(view: AdapterView, base: str, gateway: bool) -> AdapterCard:
     latest = view.latest_ready
+    model = model_name(view.tenant, view.name, gateway)
     return AdapterCard(
         id=view.name,
+        model=model,
         owned_by=view.tenant,
         parent=base,
         description=view.description,
         created=_ts(view.created_at),
         latest_version=latest.number if latest is not None else None,
-        versions=[_version_card(view.name, v) for v in view.versions],
+        versions=[_version_card(view.name, v, model) for v in view.versions],
     )
 
 
@@ -201,7 +209,7 @@ async def _upload(
             view = await registry.upload(tenant_id, actor, received, work_dir)
         finally:
             registry.storage.discard(work_dir)
-    return _card(view, registry.base_name())
+    return _card(view, registry.base_name(), registry.settings.gateway_mode)
 
 
 async def _delete(registry: Registry, tenant_id: int, actor: str, ref: str) -> AdapterDeleted:
@@ -229,7 +237,9 @@ async def upload_adapter(
 async def list_adapters(registry: RegistryDep, caller: TenantCaller) -> AdapterList:
     views = await registry.list_adapters(_own_tenant(caller))
     shown = [v for v in (_visible(view, caller.allowed_models) for view in views) if v is not None]
-    return AdapterList(data=[_card(v, registry.base_name()) for v in shown])
+    return AdapterList(
+        data=[_card(v, registry.base_name(), registry.settings.gateway_mode) for v in shown]
+    )
 
 
 @tenant_router.get("/v1/adapters/{ref}", response_model=AdapterCard)
@@ -238,7 +248,7 @@ async def get_adapter(ref: str, registry: RegistryDep, caller: TenantCaller) -> 
     tenant_id = _own_tenant(caller)
     _check_ref(caller, ref)
     view = await registry.get_adapter(tenant_id, ref)
-    return _card(view, registry.base_name())
+    return _card(view, registry.base_name(), registry.settings.gateway_mode)
 
 
 @tenant_router.delete("/v1/adapters/{ref}", response_model=AdapterDeleted)
@@ -268,7 +278,9 @@ async def admin_list_adapters(
     tenant: str, registry: RegistryDep, caller: OperatorCaller
 ) -> AdapterList:
     views = await registry.list_adapters(await _tenant_named(registry, tenant))
-    return AdapterList(data=[_card(v, registry.base_name()) for v in views])
+    return AdapterList(
+        data=[_card(v, registry.base_name(), registry.settings.gateway_mode) for v in views]
+    )
 
 
 @operator_router.get("/admin/api/tenants/{tenant}/adapters/{ref}", response_model=AdapterCard)
@@ -276,7 +288,7 @@ async def admin_get_adapter(
     tenant: str, ref: str, registry: RegistryDep, caller: OperatorCaller
 ) -> AdapterCard:
     view = await registry.get_adapter(await _tenant_named(registry, tenant), ref)
-    return _card(view, registry.base_name())
+    return _card(view, registry.base_name(), registry.settings.gateway_mode)
 
 
 @operator_router.delete("/admin/api/tenants/{tenant}/adapters/{ref}", response_model=AdapterDeleted)
