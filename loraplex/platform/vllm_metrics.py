@@ -84,21 +84,24 @@ class AdapterNames:
         self.clock = clock
         # only the pairs asked for last time: bounded by the requests in the engine
         self._known: dict[tuple[int, str], tuple[tuple[str, ...], float]] = {}
+        self._quiet_until = float("-inf")  # no reads before (after a failed one)
 
     async def names(self, wanted: Collection[AdapterKey]) -> dict[AdapterKey, tuple[str, ...]]:
         operator = self.operator()
         out: dict[AdapterKey, tuple[str, ...]] = {
             (t, k): operator[k] for t, k in wanted if t == NO_TENANT and k in operator
         }
-        pairs = {(int(t), k): (t, k) for t, k in wanted if t.isdigit()}
+        pairs = {(int(t), k): (t, k) for t, k in wanted if t.isascii() and t.isdigit()}
         now = self.clock()
         known = {p: self._known[p] for p in pairs if p in self._known}
         stale = [p for p in pairs if p not in known or now - known[p][1] >= self.ttl_s]
-        if stale and self.tenants is not None:
+        if stale and self.tenants is not None and now >= self._quiet_until:
             try:
                 read = await asyncio.wait_for(self.tenants.served_names(stale), self.timeout_s)
-            except Exception as exc:  # the names known stay; the next snapshot reads again
-                logger.warning("metrics: cannot read the adapters' names: %s", exc)
+            except Exception as exc:  # the names known stay; no read for ttl_s (a hung
+                # database would otherwise get a new read, and a log line, every snapshot)
+                self._quiet_until = now + self.ttl_s
+                logger.warning("metrics: cannot read the adapters' names: %r", exc)
             else:
                 known |= {p: (read.get(p, ()), now) for p in stale}
         self._known = known

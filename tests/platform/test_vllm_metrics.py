@@ -109,5 +109,8 @@ async def test_names_are_cached_and_survive_a_failed_read() -> None:
     names.fail = False
     names.table[(7, "h1")] = ("acme/bot", "acme/bot@1")  # a newer version went away
     now[0] = 7.0
+    assert await cache.names(wanted) == {("7", "h1"): ("acme/bot@1",)}
+    assert len(names.reads) == 2  # after a failure, no read for ttl_s
+    now[0] = 11.0
     assert await cache.names(wanted) == {("7", "h1"): ("acme/bot", "acme/bot@1")}
     assert await cache.names(set()) == {} and len(names.reads) == 3  # nothing wanted: no read
