@@ -184,3 +184,18 @@ async def test_a_limited_key_sees_and_manages_only_its_adapters(
     full = (await new_key(env, DEMO_TENANT))["key"]
     still = await env.http.get("/v1/adapters", headers=bearer(full))
     assert sorted(a["id"] for a in still.json()["data"]) == ["caps", "pirate"]
+
+
+async def test_a_limited_key_reads_only_its_models_usage(demo: tuple[TenancyEnv, str]) -> None:
+    env, base = demo
+    full = (await new_key(env, DEMO_TENANT))["key"]
+    limited = (await new_key(env, DEMO_TENANT, allowed_models=["pirate"]))["key"]
+    for model in ("pirate", "caps", base):
+        assert (await refusal(env, full, model))[0] == 200
+    everything = (await env.http.get("/v1/usage", headers=bearer(full))).json()
+    assert {b["model"] for b in everything["data"]} == {"pirate@1", "caps@1", base}
+    mine = (await env.http.get("/v1/usage", headers=bearer(limited))).json()
+    assert [b["model"] for b in mine["data"]] == ["pirate@1"]
+    (pirate,) = [b for b in everything["data"] if b["model"] == "pirate@1"]
+    assert mine["totals"] == {k: pirate[k] for k in mine["totals"]}
+    assert everything["totals"]["requests"] == 3

@@ -1,4 +1,5 @@
-"""``GET /v1/usage``: a tenant's own usage by day and model (audience "tenant")."""
+"""``GET /v1/usage``: a tenant's own usage by day and model (audience "tenant"). A key limited
+to a list of models sees only those models' rows, and totals of those (``model_access``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from fastapi import APIRouter, Query
 
 from loraplex.platform.access import TenantCaller
 from loraplex.platform.deps import StoreDep, UsageDep
-from loraplex.platform.usage import UsageReport, parse_range, tenant_usage
+from loraplex.platform.model_access import allows
+from loraplex.platform.usage import UsageReport, UsageTotals, parse_range, tenant_usage
 
 router = APIRouter()
 
@@ -27,4 +29,20 @@ async def get_usage(
     assert caller.tenant_id is not None  # the tenant audience
     tenant_id = int(caller.tenant_id)
     await recorder.flush()  # read your own writes: the rows still buffered count too
-    return await store.db.run(partial(tenant_usage, tenant_id=tenant_id, days=days))
+    report: UsageReport = await store.db.run(partial(tenant_usage, tenant_id=tenant_id, days=days))
+    if caller.allowed_models is None:
+        return report
+    return _only_models(report, caller.allowed_models)
+
+
+def _only_models(report: UsageReport, allowed: tuple[str, ...]) -> UsageReport:
+    """``report`` without the rows of models off the key's list, its totals summed again."""
+    data = [b for b in report.data if allows(allowed, b.model)]
+    totals = UsageTotals(
+        requests=sum(b.requests for b in data),
+        errors=sum(b.errors for b in data),
+        prompt_tokens=sum(b.prompt_tokens for b in data),
+        completion_tokens=sum(b.completion_tokens for b in data),
+        total_tokens=sum(b.total_tokens for b in data),
+    )
+    return report.model_copy(update={"data": data, "totals": totals})
