@@ -38,6 +38,9 @@ ENV LORAPLEX_TORCH=${LORAPLEX_TORCH} \
 
 COPY . /src
 RUN sh /src/docker/install.sh /src /opt/loraplex && rm -rf /src
+# KServe's LLMInferenceServiceConfig template runs `vllm --version` and `vllm serve ...`: the
+# image answers as loraplex, which takes vLLM's serve flags (docs/kubernetes-inference-stack.md).
+RUN ln -s loraplex /opt/loraplex/bin/vllm
 
 # The embedded model is converted now (about 40 s), not at the first start; so are the kernels.
 RUN loraplex prepare
