@@ -23,6 +23,7 @@ from loraplex.engine.client import EngineClient
 from loraplex.platform.adapter_metrics import AdapterVersionIndex
 from loraplex.platform.admin_token import AdminCredential
 from loraplex.platform.auth import Authenticator, OperatorKeyAuthenticator
+from loraplex.platform.budget_manager import BudgetManager
 from loraplex.platform.metrics import PlatformMetrics
 from loraplex.platform.model_resolver import ModelResolver, ServedName
 from loraplex.platform.openai.serving import OpenAIServing, ServingConfig
@@ -49,6 +50,7 @@ class Tenancy:
     store: Store
     quotas: QuotaManager
     usage: UsageRecorder
+    budgets: BudgetManager
     registry: Registry
     tenants: TenantService
     authenticator: TenantAuthenticator
@@ -60,11 +62,14 @@ class Tenancy:
         quota_store: QuotaStore | None = None
         if store.settings.shares_state:  # replicas: one window per tenant, in the database
             quota_store = DatabaseQuotaStore(store.db, lease_ttl=store.settings.quota_lease_ttl_s)
-        quotas = QuotaManager(store.db, store=quota_store)
+        usage = UsageRecorder(store.db)
+        budgets = BudgetManager(store.db, usage, base_name)
+        quotas = QuotaManager(store.db, store=quota_store, budgets=budgets)
         return cls(
             store=store,
             quotas=quotas,
-            usage=UsageRecorder(store.db),
+            usage=usage,
+            budgets=budgets,
             registry=registry,
             tenants=TenantService(store.db, quotas, registry, client),
             authenticator=TenantAuthenticator(store.db, AdminCredential(store.settings)),
@@ -150,10 +155,13 @@ class Platform:
     @property
     def observers(self) -> tuple[RecordObserver, ...]:
         """What sees every finished request (``RequestLogMiddleware``): the metrics, and on
-        the platform the quotas (the lease ends) and the usage rows."""
+        the platform the quotas (the lease ends), the usage rows and the budgets (which write
+        a budgeted request's row at once: after the usage recorder buffered it)."""
         if self.tenancy is None:
             return (self.metrics.observe,)
-        return (self.metrics.observe, self.tenancy.quotas.observe, self.tenancy.usage.observe)
+        tenancy = self.tenancy
+        return (self.metrics.observe, tenancy.quotas.observe, tenancy.usage.observe,
+                tenancy.budgets.observe)  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(self, *, own_client: bool) -> AsyncIterator[None]:
@@ -194,6 +202,7 @@ class Platform:
             await asyncio.gather(*background, return_exceptions=True)
             if self.tenancy is not None:
                 await self.tenancy.quotas.store.close()
+                await self.tenancy.budgets.close()
                 await self.tenancy.usage.close()
             if own_client:
                 await self.client.shutdown()

@@ -48,7 +48,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from sqlalchemy.orm import Session
 
@@ -57,6 +57,9 @@ from loraplex.platform.db.database import Database
 from loraplex.platform.db.models import Tenant
 from loraplex.platform.errors import APIError, rate_limited
 from loraplex.platform.request_log import RequestRecord
+
+if TYPE_CHECKING:
+    from loraplex.platform.budget_manager import BudgetManager
 
 logger = logging.getLogger(__name__)
 
@@ -401,6 +404,8 @@ class QuotaManager:
     ``db``: where tenants' limits are read (None: only ``limits=`` given to ``admit``).
     ``store``: where the windows live (default: ``MemoryQuotaStore`` on ``clock``).
     ``clock``: monotonic seconds for the limits cache and the default store (tests fake it).
+    ``budgets``: checked with the quotas for requests admitted with their record (the
+    completions), before the quotas take anything (None: no budgets).
     """
 
     def __init__(
@@ -408,6 +413,7 @@ class QuotaManager:
         db: Database | None,
         *,
         store: QuotaStore | None = None,
+        budgets: BudgetManager | None = None,
         window: float = WINDOW_S,
         limits_ttl: float = LIMITS_TTL_S,
         clock: Callable[[], float] = time.monotonic,
@@ -417,6 +423,7 @@ class QuotaManager:
         self.limits_ttl = limits_ttl
         self.clock = clock
         self.store: QuotaStore = store or MemoryQuotaStore(window=window, clock=clock)
+        self.budgets = budgets
         self._limits: dict[int, _LimitsEntry] = {}
         self._by_record: dict[int, Lease] = {}  # id(RequestRecord) -> its lease, while open
 
@@ -470,7 +477,13 @@ class QuotaManager:
         if limits is None:
             limits = await self.limits(tenant_id)
         estimate = max(0, int(estimated_tokens))
+        budget = None
+        if record is not None and self.budgets is not None:
+            budget = await self.budgets.check(caller)  # 429 budget_exceeded; takes nothing
         handle, headers = await self.store.admit(tenant_id, limits, estimate)
+        if budget is not None and self.budgets is not None:
+            headers = {**headers, **budget.headers}
+            self.budgets.track(record, budget)  # type: ignore[arg-type]  # record is set
         lease = Lease(self.store, handle, estimate, headers)
         if record is not None:
             self._by_record[id(record)] = lease

@@ -24,6 +24,7 @@ from loraplex.engine.client import EngineClient
 from loraplex.platform import access
 from loraplex.platform.access import Audience
 from loraplex.platform.api import admin as admin_api
+from loraplex.platform.api import budgets as budgets_api
 from loraplex.platform.api import metrics as metrics_api
 from loraplex.platform.api import openai as openai_routes
 from loraplex.platform.api import registry as registry_routes
@@ -116,6 +117,8 @@ def mount_routes(app: LoraplexApp) -> None:
         table += [
             (registry_routes.tenant_router, "tenant"),
             (usage_api.router, "tenant"),
+            (budgets_api.tenant_router, "tenant"),
+            (budgets_api.operator_router, "operator"),
             (registry_routes.operator_router, "operator"),
             (admin_api.router, "operator"),
         ]

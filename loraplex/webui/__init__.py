@@ -25,6 +25,7 @@ from loraplex.platform.components import Platform
 from loraplex.webui import (
     adapters,
     audit,
+    budgets,
     context,
     keys,
     login,
@@ -73,6 +74,7 @@ PAGES: tuple[ModuleType, ...] = (
     usage,
     audit,
     playground,
+    budgets,
 )  # in navigation order
 
 

@@ -34,6 +34,7 @@ from loraplex.platform.db.models import Adapter, ApiKey, Tenant, utcnow
 from loraplex.platform.db.scope import TenantScope
 from loraplex.platform.errors import APIError
 from loraplex.platform.tenants import TenantService
+from loraplex.webui.budgets import tenant_budget_rows
 from loraplex.webui.context import (
     Admin,
     FormPost,
@@ -333,6 +334,7 @@ async def tenant_page(request: Request, name: str, admin: SignedIn) -> Response:
 
     tenant = await webui_of(request).store.db.run(read)
     adapters = await _adapter_rows(request, tenant["id"])
+    budgets = await tenant_budget_rows(request, tenant["id"])
     return render(
         request,
         "tenants_show.html",
@@ -340,6 +342,7 @@ async def tenant_page(request: Request, name: str, admin: SignedIn) -> Response:
         title=tenant["display_name"] or tenant["name"],
         tenant=tenant,
         adapters=adapters,
+        budgets=budgets,
         here_path=tenant_path(tenant["name"]),
     )
 

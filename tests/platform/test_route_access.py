@@ -127,6 +127,7 @@ async def test_every_platform_route_is_reached_only_by_its_audience(
         "DELETE /v1/adapters/{ref}",
         "GET /v1/adapters",
         "GET /v1/adapters/{ref}",
+        "GET /v1/budgets",
         "GET /v1/usage",
         "POST /v1/adapters",
     ]

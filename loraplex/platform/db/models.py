@@ -342,3 +342,58 @@ class AdapterBlob(Base):
     file_name: Mapped[str] = mapped_column(String(64), primary_key=True)
     chunk: Mapped[int] = mapped_column(Integer, primary_key=True)
     data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class Budget(Base):
+    """A spending limit of a tenant, or of one of its keys (``api_key_id``), over a window
+    (``loraplex.platform.budgets``): ``metric`` "tokens" counts ``prompt_weight`` x prompt +
+    ``completion_weight`` x completion tokens, "cost" US dollars at ``ModelPrice``; ``period``
+    day | week | month, ``anchor`` "calendar" (UTC) or "rolling". Charged from the usage rows."""
+
+    __tablename__ = "budgets"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    # None: the whole tenant; else one of its keys.
+    api_key_id: Mapped[int | None] = mapped_column(
+        ForeignKey("api_keys.id", ondelete="CASCADE"), default=None, index=True
+    )
+    metric: Mapped[str] = mapped_column(String(8))  # BudgetMetric
+    period: Mapped[str] = mapped_column(String(8))  # BudgetPeriod
+    anchor: Mapped[str] = mapped_column(String(8), default="calendar")  # BudgetAnchor
+    limit_amount: Mapped[float] = mapped_column(Float)
+    soft_percent: Mapped[float | None] = mapped_column(Float, default=None)
+    prompt_weight: Mapped[float] = mapped_column(Float, default=1.0)
+    completion_weight: Mapped[float] = mapped_column(Float, default=1.0)
+    created_at: Mapped[dt.datetime] = _created()
+
+
+class ModelPrice(Base):
+    """The operator's price of a base model (by its served name) or of one adapter (any of its
+    versions), in US dollars per million prompt / completion tokens; exactly one is set."""
+
+    __tablename__ = "model_prices"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    base_model: Mapped[str | None] = mapped_column(String(140), default=None, unique=True)
+    adapter_id: Mapped[int | None] = mapped_column(
+        ForeignKey("adapters.id", ondelete="CASCADE"), default=None, unique=True
+    )
+    prompt_per_million: Mapped[float] = mapped_column(Float)
+    completion_per_million: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
+
+
+class BudgetAlert(Base):
+    """A budget's soft limit crossed or hard limit reached, once per budget, period and level:
+    the unique key makes replicas that see the same crossing record it once."""
+
+    __tablename__ = "budget_alerts"
+    __table_args__ = (UniqueConstraint("budget_id", "period_start", "level"),)
+
+    id: Mapped[int] = mapped_column(BigIntKey, primary_key=True, autoincrement=True)
+    budget_id: Mapped[int] = mapped_column(ForeignKey("budgets.id", ondelete="CASCADE"))
+    period_start: Mapped[float] = mapped_column(Float)  # epoch seconds
+    level: Mapped[str] = mapped_column(String(8))  # "soft" | "hard"
+    used: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[dt.datetime] = _created()

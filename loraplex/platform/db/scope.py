@@ -16,12 +16,13 @@ from loraplex.platform.db.models import (
     Adapter,
     AdapterVersion,
     ApiKey,
+    Budget,
     Tenant,
     UsageDaily,
     UsageRecord,
 )
 
-M = TypeVar("M", ApiKey, Adapter, UsageRecord, UsageDaily)
+M = TypeVar("M", ApiKey, Adapter, UsageRecord, UsageDaily, Budget)
 
 
 def find_key(session: Session, public_id: str) -> tuple[ApiKey, Tenant] | None:

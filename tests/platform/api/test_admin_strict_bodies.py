@@ -76,9 +76,13 @@ async def test_every_admin_body_refuses_unknown_fields_naming_them(env: TenancyE
             walked.append(where)
     assert sorted(walked) == [
         "PATCH /admin/api/tenants/{tenant}",
+        "PATCH /admin/api/tenants/{tenant}/budgets/{budget_id}",
         "PATCH /admin/api/tenants/{tenant}/keys/{public_id}",
         "POST /admin/api/tenants",
+        "POST /admin/api/tenants/{tenant}/budgets",
         "POST /admin/api/tenants/{tenant}/keys",
+        "PUT /admin/api/prices/models/{name}",
+        "PUT /admin/api/tenants/{tenant}/adapters/{ref}/price",
     ]
     # Every body schema says so too, nested ones included.
     schemas = env.app.openapi()["components"]["schemas"]
