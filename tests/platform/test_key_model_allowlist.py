@@ -5,6 +5,7 @@ does not exist, through the official ``openai`` client, on the demo tenant's rea
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +30,24 @@ def smollm2() -> str:
     return resolve_model_dir(None)
 
 
-@pytest.fixture
-async def demo(tmp_path: Path, smollm2: str) -> AsyncIterator[tuple[TenancyEnv, str]]:
-    """The demo tenant with its adapters, and the base model's served name."""
+@asynccontextmanager
+async def demo_env(
+    tmp_path: Path, smollm2: str, **settings: Any
+) -> AsyncIterator[tuple[TenancyEnv, str]]:
     from transformers import AutoTokenizer
 
     engine = RegistryEngine(model_dir=smollm2, vocab_size=49152, max_model_len=2048)
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
-    async with tenancy_env(tmp_path, engine, tokenizer) as env:
+    async with tenancy_env(tmp_path, engine, tokenizer, **settings) as env:
         await setup_demo(env.app.platform)
         yield env, env.app.platform.serving.resolver.base_name
+
+
+@pytest.fixture
+async def demo(tmp_path: Path, smollm2: str) -> AsyncIterator[tuple[TenancyEnv, str]]:
+    """The demo tenant with its adapters, and the base model's served name."""
+    async with demo_env(tmp_path, smollm2) as found:
+        yield found
 
 
 def client(env: TenancyEnv, key: str) -> openai.AsyncOpenAI:
@@ -199,3 +208,34 @@ async def test_a_limited_key_reads_only_its_models_usage(demo: tuple[TenancyEnv,
     (pirate,) = [b for b in everything["data"] if b["model"] == "pirate@1"]
     assert mine["totals"] == {k: pirate[k] for k in mine["totals"]}
     assert everything["totals"]["requests"] == 3
+
+
+async def test_in_gateway_mode_the_list_names_models_as_requests_do(
+    tmp_path: Path, smollm2: str
+) -> None:
+    """Gateway mode: adapters are 'tenant/name[@N]' in ``model``; the list uses those names,
+    and the adapter routes (which take the bare name in their paths) follow it."""
+    async with demo_env(tmp_path, smollm2, gateway_mode=True) as (env, _):
+        key = (await new_key(env, DEMO_TENANT, allowed_models=["demo/pirate"]))["key"]
+        bare = env.tenant("bare")
+        assert (await refusal(env, key, "demo/pirate@1"))[0] == 200
+        assert await refusal(env, key, "demo/caps") == await refusal(env, bare, "demo/caps")
+        models = (await env.http.get("/v1/models", headers=bearer(key))).json()["data"]
+        assert [m["id"] for m in models] == ["demo/pirate", "demo/pirate@1"]
+        listed = await env.http.get("/v1/adapters", headers=bearer(key))
+        assert [a["id"] for a in listed.json()["data"]] == ["pirate"]
+        assert (await env.http.get("/v1/adapters/pirate", headers=bearer(key))).status_code == 200
+        refused = await env.http.get("/v1/adapters/caps", headers=bearer(key))
+        assert (
+            refused.json() == (await env.http.get("/v1/adapters/caps", headers=bearer(bare))).json()
+        )
+        upload = await env.http.post(
+            "/v1/adapters", headers=bearer(key), data={"name": "other"},
+            files={"files": ("adapter_config.json", b"{}", "application/json")},
+        )  # fmt: skip
+        assert upload.status_code == 403, upload.text
+        upload = await env.http.post(
+            "/v1/adapters", headers=bearer(key), data={"name": "pirate"},
+            files={"files": ("adapter_config.json", b"{}", "application/json")},
+        )  # fmt: skip
+        assert upload.status_code == 400, upload.text  # past the list: the files are refused

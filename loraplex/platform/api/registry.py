@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from loraplex.platform import tenants
 from loraplex.platform.access import OperatorCaller, TenantCaller, TenantWriter
 from loraplex.platform.auth import Caller
+from loraplex.platform.db.scope import TenantScope
 from loraplex.platform.deps import RegistryDep
 from loraplex.platform.errors import PERMISSION, APIError, clip
 from loraplex.platform.model_access import allows
@@ -152,26 +153,36 @@ def _refuse_unknown_fields(fields: dict[str, str]) -> None:
         )
 
 
+def _allows(allowed: tuple[str, ...] | None, tenant: str, ref: str) -> bool:
+    """Whether a model list names ``ref`` of ``tenant`` as requests do: ``name[@N]``, or
+    ``tenant/name[@N]`` in gateway mode (``registry.resolver.model_name``)."""
+    return allows(allowed, ref) or allows(allowed, f"{tenant}/{ref}")
+
+
 def _visible(view: AdapterView, allowed: tuple[str, ...] | None) -> AdapterView | None:
     """``view`` as a key with the model list ``allowed`` sees it: whole when its name is
     allowed, else only its allowed versions; None when none is."""
-    if allows(allowed, view.name):
+    if _allows(allowed, view.tenant, view.name):
         return view
-    versions = tuple(v for v in view.versions if allows(allowed, f"{view.name}@{v.number}"))
+    versions = tuple(
+        v for v in view.versions if _allows(allowed, view.tenant, f"{view.name}@{v.number}")
+    )
     if not versions:
         return None
     return AdapterView(view.name, view.tenant, view.description, view.created_at, versions)
 
 
-def _check_ref(caller: Caller, ref: str) -> None:
-    """404 for a ref outside the key's model list: the answer of a missing adapter."""
-    if not allows(caller.allowed_models, ref):
+def _shown(view: AdapterView, caller: Caller, ref: str) -> AdapterView:
+    """``view`` as ``caller``'s key sees it; off its model list, the 404 of a missing one."""
+    shown = _visible(view, caller.allowed_models)
+    if shown is None:
         raise adapter_not_found(ref)
+    return shown
 
 
-def _check_upload_name(caller: Caller, fields: dict[str, str]) -> None:
+def _check_upload_name(caller: Caller, tenant: str, fields: dict[str, str]) -> None:
     name = fields.get("name", "")
-    if caller.allowed_models is not None and not allows(caller.allowed_models, name):
+    if caller.allowed_models is not None and not _allows(caller.allowed_models, tenant, name):
         raise APIError(
             403,
             f"This API key may use only the models {', '.join(caller.allowed_models)[:200]}, so "
@@ -204,8 +215,9 @@ async def _upload(
             )
             if strict:
                 _refuse_unknown_fields(received.fields)
-            if caller is not None:
-                _check_upload_name(caller, received.fields)
+            if caller is not None and caller.allowed_models is not None:
+                tenant = await registry.db.run(lambda s: TenantScope(s, tenant_id).tenant().name)
+                _check_upload_name(caller, tenant, received.fields)
             view = await registry.upload(tenant_id, actor, received, work_dir)
         finally:
             registry.storage.discard(work_dir)
@@ -245,9 +257,7 @@ async def list_adapters(registry: RegistryDep, caller: TenantCaller) -> AdapterL
 @tenant_router.get("/v1/adapters/{ref}", response_model=AdapterCard)
 async def get_adapter(ref: str, registry: RegistryDep, caller: TenantCaller) -> AdapterCard:
     """``name`` (every version) or ``name@N`` (that version)."""
-    tenant_id = _own_tenant(caller)
-    _check_ref(caller, ref)
-    view = await registry.get_adapter(tenant_id, ref)
+    view = _shown(await registry.get_adapter(_own_tenant(caller), ref), caller, ref)
     return _card(view, registry.base_name(), registry.settings.gateway_mode)
 
 
@@ -255,7 +265,10 @@ async def get_adapter(ref: str, registry: RegistryDep, caller: TenantCaller) -> 
 async def delete_adapter(ref: str, registry: RegistryDep, caller: TenantWriter) -> AdapterDeleted:
     """``name`` deletes every version; ``name@N`` one version (the last one: the adapter)."""
     tenant_id = _own_tenant(caller)
-    _check_ref(caller, ref)
+    if caller.allowed_models is not None:  # only what the key's list names, whole
+        view = await registry.get_adapter(tenant_id, ref)
+        if not _allows(caller.allowed_models, view.tenant, ref):
+            raise adapter_not_found(ref)
     return await _delete(registry, tenant_id, caller.id, ref)
 
 
