@@ -1,7 +1,8 @@
 """Which models an API key may use: its allowlist (``ApiKey.allowed_models``).
 
-An allowlist is a list of model names as requests give them: the base model's served name, an
-adapter's name, or one version of it, ``name@N``. ``None`` (the default) lets a key use every
+An allowlist is a list of model names as requests give them: the base model's served name (each
+alias of it is a name of its own), an adapter's name, or one version of it, ``name@N`` (in
+gateway mode ``tenant/name`` and ``tenant/name@N``). ``None`` (the default) lets a key use every
 model of its tenant. Matching is by name only, never by what exists::
 
     entry "pirate"     allows  "pirate", "pirate@1", "pirate@2", ...   (every version)
