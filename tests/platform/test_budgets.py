@@ -124,6 +124,20 @@ async def test_a_daily_token_budget_refuses_the_request_after_it_is_spent(
     with pytest.raises(openai.RateLimitError) as again:
         await _chat(_client(tenancy, key), 1)
     _check_refusal(again.value, sum(sizes))
+    # Refused before any work: a request too long for the context (a 400 once tokenized) and
+    # one with a constraint to compile get the budget's 429, and the engine sees neither.
+    submitted = len(tenancy.fake.submitted)
+    with pytest.raises(openai.RateLimitError) as early:
+        await _chat(_client(tenancy, key), 1000)
+    assert early.value.code == "budget_exceeded"
+    with pytest.raises(openai.RateLimitError) as early:
+        await _client(tenancy, key).chat.completions.create(
+            model="tiny-chat", messages=MESSAGES, max_tokens=5,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "x", "schema": {"type": "object"}}},
+        )  # fmt: skip
+    assert early.value.code == "budget_exceeded"
+    assert len(tenancy.fake.submitted) == submitted
     # Soft (50 %) and hard crossings were recorded once each, with their audit events.
     with tenancy.store.db.session() as session:
         levels = sorted(session.scalars(select(BudgetAlert.level)))
