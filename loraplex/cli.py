@@ -413,6 +413,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser()
         args, extra = parser.parse_known_args(args_list)
+        # A word of blanks is no argument: KServe's vLLM template passes one (its Go template
+        # leaves "\ " in the line its shell evals), and vLLM's launchers must run unchanged.
+        extra = [word for word in extra if word.strip()]
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         if args.command == "serve":

@@ -1,9 +1,9 @@
-"""``loraplex serve`` as the Kubernetes inference stack runs vLLM: started with the argv KServe's
-LLMInferenceServiceConfig template gives ``vllm serve`` for a LoRA service (TLS, two adapters
-each under two names, the base model under two names), then driven as AIBrix's ModelAdapter
-controller drives vLLM: ``GET /v1/models``, ``POST /v1/load_lora_adapter`` and
-``POST /v1/unload_lora_adapter`` with its exact payloads and the admin token (the platform is
-on); a tenant's key is refused."""
+"""``loraplex serve`` as the Kubernetes inference stack runs vLLM: started by KServe's
+LLMInferenceServiceConfig script for a LoRA service, in bash, with ``vllm`` being loraplex as in
+its image (TLS, two adapters each under two names, the base model under two names), then driven
+as AIBrix's ModelAdapter controller drives vLLM: ``GET /v1/models``,
+``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter`` with its exact payloads and
+the admin token (the platform is on); a tenant's key is refused."""
 
 from __future__ import annotations
 
@@ -11,14 +11,13 @@ import datetime as dt
 import ipaddress
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.utils.kserve import kserve_argv
+from tests.utils.kserve import kserve_command, vllm_shim
 from tests.utils.models import make_adapter
 from tests.utils.serve import Serve
 
@@ -50,6 +49,7 @@ def self_signed(tmp_path: Path) -> tuple[str, str]:
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
     )
+    tmp_path.mkdir(parents=True, exist_ok=True)
     cert_path, key_path = tmp_path / "tls.crt", tmp_path / "tls.key"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     key_path.write_bytes(
@@ -63,7 +63,8 @@ def self_signed(tmp_path: Path) -> tuple[str, str]:
 
 
 class TLSServe(Serve):
-    """``Serve`` over HTTPS: ``start`` waits for /health with the test's CA."""
+    """``Serve`` over HTTPS, its command line whole (``args``): ``start`` appends ``--port``
+    and waits for /health with the test's CA."""
 
     def __init__(self, args: list[str], env: dict[str, str], ca: str) -> None:
         super().__init__(args, env)
@@ -78,7 +79,7 @@ class TLSServe(Serve):
 
     def start(self) -> TLSServe:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "loraplex.cli", *self.args, "--port", str(self.port)],
+            [*self.args, "--port", str(self.port)],
             env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         deadline = time.monotonic() + 120
@@ -117,11 +118,11 @@ def test_kserve_argv_starts_and_aibrix_loads_and_unloads(tiny_model: str, tmp_pa
         name: make_adapter(tiny_model, tmp_path / name, 4, 8, targets, seed=i)
         for i, name in enumerate(("a", "b", "text2sql"))
     }
-    cert, key = self_signed(tmp_path)
-    argv = kserve_argv(tiny_model, cert, key, {"a": lora["a"], "b": lora["b"]})
-    env = {"LORAPLEX_ADMIN_TOKEN": ADMIN, "LORAPLEX_DATA_DIR": str(tmp_path / "data"),
-           "LORAPLEX_MAX_MODEL_LEN": "128"}  # fmt: skip
-    server = TLSServe(argv, env, ca=cert).start()
+    cert, _ = self_signed(tmp_path / "tls")
+    command = kserve_command(tiny_model, str(tmp_path / "tls"), {"a": lora["a"], "b": lora["b"]})
+    env = {**vllm_shim(tmp_path / "bin"), "LORAPLEX_ADMIN_TOKEN": ADMIN,
+           "LORAPLEX_DATA_DIR": str(tmp_path / "data"), "LORAPLEX_MAX_MODEL_LEN": "128"}  # fmt: skip
+    server = TLSServe(command, env, ca=cert).start()
     try:
         with server.http() as http:
             assert model_ids(http, ADMIN) == {

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from loraplex import cli
 from loraplex.cli import build_parser
 from loraplex.engine_args import from_args
 from loraplex.server.serve import apply_default_policy
@@ -22,12 +23,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def test_kserves_lora_service_argv_parses_into_what_it_means(tmp_path: Path) -> None:
-    argv = kserve_argv(
-        "/mnt/models", "/tls/tls.crt", "/tls/tls.key", {"a": "/mnt/lora/a", "b": "/mnt/lora/b"}
-    )
+def test_kserves_lora_service_argv_parses_into_what_it_means(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    adapters = {"a": "/mnt/lora/a", "b": "/mnt/lora/b"}
+    argv = kserve_argv(tmp_path, "/mnt/models", "/tls", adapters)
     assert argv[0] == "serve" and "--enable-lora" in argv and "--max-lora-rank=64" in argv
-    args = parse(argv)
+    assert " " in argv  # the template's stray blank word
+    served: list[argparse.Namespace] = []
+    monkeypatch.setattr(cli, "_serve", lambda args: served.append(args) or 0)
+    assert cli.main(argv) == 0  # the whole command line, the blank word too
+    (args,) = served
     assert args.model == "/mnt/models" and args.port == 8000
     assert args.served_model_name == "tiny"
     assert args.served_model_aliases == ["publishers/ns/models/tiny"]
