@@ -4,7 +4,8 @@
       settings, client, resolver, serving (OpenAI API), metrics, authenticator,
       operator_adapters (vLLM's adapter API; gives the resolver --lora-resolver-dir)
       tenancy: Tenancy | None      the multi-tenant platform (a ``Store``: database + files)
-        quotas, usage, registry, tenants (TenantService), authenticator (tenant keys + admin)
+        quotas, usage, budgets, registry, tenants (TenantService), authenticator (tenant keys +
+        admin)
 
 Nothing is wired after construction: each component gets what it uses when it is built, the
 request log's observers are listed here (``observers``), and ``lifespan`` is the one place that

@@ -233,6 +233,17 @@ async def test_a_cost_budget_charges_the_price_table(tenancy: TenancyEnv) -> Non
     assert abs(budget["used"] - expected) < 1e-9 and budget["used"] >= 0.2
     r = await tenancy.http.delete("/admin/api/prices/models/tiny-chat", headers=admin)
     assert r.status_code == 200
+    for method, url, status in (
+        ("DELETE", "/admin/api/prices/models/tiny-chat", 404),  # gone already
+        ("PUT", "/admin/api/prices/models/" + "m" * 141, 400),
+        ("PUT", "/admin/api/tenants/acme/adapters/nope/price", 404),
+        ("PUT", "/admin/api/tenants/nobody/adapters/nope/price", 404),
+    ):
+        r = await tenancy.http.request(method, url, headers=admin, json=price)
+        assert r.status_code == status, (url, r.text)
+    bad = {"prompt_per_million": -1, "completion_per_million": 1}
+    r = await tenancy.http.put("/admin/api/prices/models/tiny-chat", headers=admin, json=bad)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_per_million"
     ok = await _chat(_client(tenancy, key), 5)  # unpriced: costs nothing, so spent nothing
     assert ok.http_response.status_code == 200
 

@@ -42,6 +42,7 @@ tenant_router = APIRouter(tags=["usage"])
 operator = Depends(operator_caller)
 
 Number = StrictInt | StrictFloat
+MAX_MODEL_NAME = 140  # model_prices.base_model
 
 
 def _budgets(tenancy: TenancyDep) -> BudgetManager:
@@ -280,10 +281,11 @@ async def set_model_price(
 ) -> PriceList:
     """The price of the base model served as ``name`` (an adapter without its own price costs
     its base model's)."""
+    _check_model_name(name)
     await tenancy.store.db.run(
         lambda s: budget_admin.set_price(
             s, caller.id, prompt=body.prompt_per_million,
-            completion=body.completion_per_million, base_model=name[:140],
+            completion=body.completion_per_million, base_model=name,
         )
     )  # fmt: skip
     budgets.invalidate()
@@ -295,7 +297,7 @@ async def delete_model_price(
     tenancy: TenancyDep, budgets: BudgetsDep, name: str, caller: Caller = operator
 ) -> Deleted:
     found = await tenancy.store.db.run(
-        lambda s: budget_admin.delete_price(s, caller.id, base_model=name[:140])
+        lambda s: budget_admin.delete_price(s, caller.id, base_model=name)
     )
     if not found:
         raise _no_price(name)
@@ -333,6 +335,16 @@ async def delete_adapter_price(
         raise _no_price(f"{tenant}/{ref}")
     budgets.invalidate()
     return Deleted(id=f"{tenant}/{ref}", object="price")
+
+
+def _check_model_name(name: str) -> None:
+    if not 1 <= len(name) <= MAX_MODEL_NAME:
+        raise APIError(
+            400,
+            f"A model name is 1-{MAX_MODEL_NAME} characters; got {len(name)}. Give the base "
+            "model's name as /v1/models lists it.",
+            param="name",
+        )
 
 
 def _no_price(name: str) -> APIError:
