@@ -157,8 +157,7 @@ class ModelResolver:
         """What ``caller`` may use: the base model first, then adapters by name (within the
         key's allowlist)."""
         if caller.tenant_id is not None and self.tenant_models is not None:
-            base = ModelEntry(self.base_name, self._created, None)
-            entries = [base, *await self.tenant_models.list_models(caller)]
+            entries = [*self._base_entries(), *await self.tenant_models.list_models(caller)]
         else:
             entries = self.list_models(caller)
         return [e for e in entries if allows(caller.allowed_models, e.name)]
@@ -180,8 +179,11 @@ class ModelResolver:
         return ResolvedModel(entry.name, entry.adapter.key, caller.cache_extra_keys)
 
     def list_models(self, caller: Caller) -> list[ModelEntry]:
-        base = [ModelEntry(n, self._created, None) for n in (self.base_name, *self._aliases)]
-        return [*base, *sorted(self._adapters.values(), key=lambda e: e.name)]
+        return [*self._base_entries(), *sorted(self._adapters.values(), key=lambda e: e.name)]
+
+    def _base_entries(self) -> list[ModelEntry]:
+        """The base model under its served name, then under each alias."""
+        return [ModelEntry(n, self._created, None) for n in (self.base_name, *self._aliases)]
 
     def get_adapter(self, caller: Caller, name: str) -> ModelEntry | None:
         return self._adapters.get(name)

@@ -155,7 +155,11 @@ def test_kserve_argv_starts_and_aibrix_loads_and_unloads(tiny_model: str, tmp_pa
             ):
                 r = http.post(path, headers=tenant, json=body)
                 assert r.status_code == 403, (path, r.text)
-            assert model_ids(http, tenant["Authorization"].split()[1]) == {"tiny"}
+            base = {"tiny", "publishers/ns/models/tiny"}  # the base model's names, no adapter
+            assert model_ids(http, tenant["Authorization"].split()[1]) == base
+            r = http.post("/v1/chat/completions", headers=tenant,
+                          json={**chat, "model": "publishers/ns/models/tiny"})  # fmt: skip
+            assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
 
             r = aibrix(http, "/v1/unload_lora_adapter", {"lora_name": "text2sql"})
             assert r.status_code in (200, 201), r.text
