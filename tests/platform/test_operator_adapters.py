@@ -14,6 +14,7 @@ import httpx
 import pytest
 from sqlalchemy import select
 
+from loraplex.platform.auth import Caller
 from loraplex.platform.db.models import AuditEvent
 from loraplex.platform.settings import ServerSettings
 from tests.utils import registry as rf
@@ -147,3 +148,32 @@ async def test_a_bad_resolver_directory_adapter_is_422_for_that_request(
     assert error["code"] == "missing_file" and error["param"] == "model"
     assert "resolver directory" in error["message"]
     assert engine(env).add_lora_calls == []
+
+
+async def test_without_the_platform_lora_modules_named_twice_are_one_engine_copy(
+    registry_models: rf.RegistryModels, tokenizer: Any, tmp_path: Path
+) -> None:
+    """KServe names each adapter twice (``--lora-modules``): one load, two names; the copy
+    stays until the operator unloads the last name. The resolver directory serves every caller
+    of a server without the platform (all are the operator)."""
+    from loraplex.server import create_app
+
+    fake = RegistryEngine(model_dir=registry_models.model_dir)
+    settings = ServerSettings(lora_resolver_dir=tmp_path / "loras")
+    app = create_app(fake, settings, tokenizer=tokenizer)
+    path = write(registry_models.adapters["a"], tmp_path / "a")
+    write(registry_models.adapters["b"], tmp_path / "loras" / "dirb")
+    adapters = app.platform.operator_adapters
+    await adapters.load_modules([("a", path), ("publishers/ns/models/a", path)])
+    assert fake.add_lora_calls == [("a", path)]
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        for model in ("a", "publishers/ns/models/a", "dirb"):
+            r = await http.post("/v1/chat/completions", json={**CHAT, "model": model})
+            assert r.status_code == 200 and r.json()["model"] == model, r.text
+        key = app.platform.resolver.get_adapter(Caller("operator"), "a")
+        assert key is not None and key.adapter is not None
+        r = await http.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
+        assert r.status_code == 200 and key.adapter.key in fake.adapters
+        r = await http.post("/v1/unload_lora_adapter", json={"lora_name": "publishers/ns/models/a"})
+        assert r.status_code == 200 and key.adapter.key not in fake.adapters
