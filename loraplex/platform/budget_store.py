@@ -10,6 +10,7 @@ a window longer than the retention counts the raw rows only).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import threading
 from collections.abc import Iterable
@@ -60,7 +61,7 @@ class Applicable:
     prices: Prices
 
 
-def _rule(budget: Budget, public_id: str | None) -> BudgetRule:
+def _rule(budget: Budget, public_id: str | None, owner: str) -> BudgetRule:
     return BudgetRule(
         id=budget.id,
         tenant_id=budget.tenant_id,
@@ -73,6 +74,7 @@ def _rule(budget: Budget, public_id: str | None) -> BudgetRule:
         soft_percent=budget.soft_percent,
         prompt_weight=budget.prompt_weight,
         completion_weight=budget.completion_weight,
+        owner=owner,
     )
 
 
@@ -85,7 +87,10 @@ def _rules(session: Session, tenant_id: int, *where: Any) -> list[BudgetRule]:
         .where(*where)
         .order_by(Budget.api_key_id.is_not(None), Budget.id)
     )
-    return [_rule(budget, public_id) for budget, public_id in session.execute(query).tuples()]
+    tenant = session.get(Tenant, tenant_id)
+    owner = tenant.cache_salt if tenant is not None else ""
+    rows = session.execute(query).tuples()
+    return [_rule(budget, public_id, owner) for budget, public_id in rows]
 
 
 def applicable(session: Session, tenant_id: int, key_public_id: str | None) -> Applicable:
@@ -218,13 +223,15 @@ def _name_adapters(scope: TenantScope, spent: list[Spend]) -> list[Spend]:
 
 class SettledDays:
     """Per tenant, key (None: the tenant's) and settled UTC day: its usage by model and adapter.
+    The tenant is also keyed by ``BudgetRule.owner``, so a tenant created again under a deleted
+    one's id (SQLite may reuse it) never reads the deleted one's days.
     Bounded: days older than the longest window are dropped, and past ``max_entries`` all.
     Owned by one ``BudgetManager``, whose sessions run in worker threads: a lock guards the
     dict; two fills of one day at once store the same (immutable) sums."""
 
     def __init__(self, max_entries: int = 100_000) -> None:
         self.max_entries = max_entries
-        self._days: dict[tuple[int, int | None, dt.date], list[Spend]] = {}
+        self._days: dict[tuple[str, int, int | None, dt.date], list[Spend]] = {}
         self._lock = threading.Lock()  # sessions run in worker threads
 
     def __len__(self) -> int:
@@ -233,13 +240,13 @@ class SettledDays:
     def get(
         self, session: Session, rule: BudgetRule, days: list[dt.date]
     ) -> dict[dt.date, list[Spend]]:
-        scope = (rule.tenant_id, rule.key_id)
+        scope = (rule.owner, rule.tenant_id, rule.key_id)
         with self._lock:
             missing = [d for d in days if (*scope, d) not in self._days]
         if missing:
             filled: dict[dt.date, list[Spend]] = {d: [] for d in missing}
             lo, hi = _midnight(min(missing)), _midnight(max(missing) + dt.timedelta(days=1))
-            for one in _spend_query(session, _tokens_of(rule), lo, hi, "day"):
+            for one in _spend_query(session, _named(rule), lo, hi, "day"):
                 assert one.at is not None
                 if one.at.date() in filled:
                     filled[one.at.date()].append(one)
@@ -253,19 +260,16 @@ class SettledDays:
     def _trim(self, oldest: dt.date) -> None:
         horizon = oldest - dt.timedelta(days=_MAX_DAYS)
         if len(self._days) >= self.max_entries:
-            for key in [k for k in self._days if k[2] < horizon]:
+            for key in [k for k in self._days if k[3] < horizon]:
                 del self._days[key]
         if len(self._days) >= self.max_entries:
             self._days.clear()
 
 
-def _tokens_of(rule: BudgetRule) -> BudgetRule:
+def _named(rule: BudgetRule) -> BudgetRule:
     """``rule``'s scope with adapters named (a cost rule's): what a cached day keeps serves
     every budget of that tenant or key."""
-    return BudgetRule(
-        rule.id, rule.tenant_id, rule.key_id, rule.key_public_id, "cost", rule.period,
-        rule.anchor, rule.limit,
-    )  # fmt: skip
+    return dataclasses.replace(rule, metric="cost")
 
 
 def spend(

@@ -62,6 +62,8 @@ class BudgetRule:
     soft_percent: float | None = None
     prompt_weight: float = 1.0
     completion_weight: float = 1.0
+    # The tenant's cache salt: what tells a tenant from a deleted one whose id it reuses.
+    owner: str = ""
 
     @property
     def scope(self) -> str:

@@ -222,3 +222,29 @@ def test_settled_days_change_no_figure(tmp_path: Path) -> None:
             assert checked == 3 * 24 * 3 and len(settled) > 0
     finally:
         store.db.dispose()
+
+
+def test_a_tenant_created_under_a_deleted_ones_id_starts_from_nothing(tmp_path: Path) -> None:
+    """SQLite may give a new tenant the id of a deleted one: the settled days cached for the
+    deleted tenant are not the new one's."""
+    store = platform_for(tmp_path)
+    settled = budget_store.SettledDays()
+    now = _at(2026, 12, 20, 12)
+    try:
+        with store.db.session() as session:
+            old = tenants.create_tenant(session, "admin", "acme", quotas=tenants.Quotas())
+            session.add(UsageRecord(tenant_id=old.id, model="tiny", prompt_tokens=500,
+                                    completion_tokens=0, status=200,
+                                    created_at=_at(2026, 12, 10)))  # fmt: skip
+        with store.db.session() as session:
+            rule = _rule(tenant_id=old.id, period="month", owner=old.cache_salt)
+            state = budget_store.status(session, rule, Prices(), "tiny", now, settled)
+            assert state.used == 500 and len(settled) > 0
+            session.delete(session.get(type(old), old.id))
+        with store.db.session() as session:
+            new = tenants.create_tenant(session, "admin", "globex", quotas=tenants.Quotas())
+            assert new.id == old.id  # the id came back
+            rule = _rule(tenant_id=new.id, period="month", owner=new.cache_salt)
+            assert budget_store.status(session, rule, Prices(), "tiny", now, settled).used == 0
+    finally:
+        store.db.dispose()
