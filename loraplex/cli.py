@@ -220,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
             ),
         )
     )
-    from loraplex.bench.mask_fairness import add_mask_arguments
+    from loraplex.bench.mask_options import add_mask_arguments
 
     add_mask_arguments(
         benches.add_parser(
@@ -475,8 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_replicas(replicas_options(args))
             return 0
         if args.command == "bench" and args.bench == "masks":
-            from loraplex.bench.mask_fairness import options_from as mask_options
             from loraplex.bench.mask_fairness import run_masks
+            from loraplex.bench.mask_options import options_from as mask_options
 
             return 0 if run_masks(mask_options(args))["summary"]["met"] else 1
         if args.command in ("db", "admin"):

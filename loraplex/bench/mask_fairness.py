@@ -17,18 +17,15 @@ Writes ``masks-<time>.json``.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import json
 import random
 import secrets
-import shlex
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,42 +35,10 @@ from loraplex.bench.common import machine
 from loraplex.bench.fairness import Load
 from loraplex.bench.fairness_report import percentile, round_or_none
 from loraplex.bench.http_load import Platform, ServerProcess, StreamRecord
+from loraplex.bench.mask_options import MaskOptions
 
 Log = Callable[[str], None]
-HEAVY_REGEX = "((a{21}){21}){21}"
 TARGET_RATIO = 1.5
-
-
-@dataclass(frozen=True)
-class MaskOptions:
-    policy: str = "fair"
-    streams: int = 32
-    a_max_tokens: int = 16
-    b_interval_s: float = 1.0
-    b_max_tokens: int = 8
-    warmup_s: float = 5.0
-    window_s: float = 30.0
-    repeats: int = 2
-    regex: str = HEAVY_REGEX
-    seed: int = 0
-    output_dir: str = "bench-results"
-
-    def command_line(self) -> str:
-        argv = ["loraplex", "bench", "masks"]
-        for f in dataclasses.fields(self):
-            argv.append(f"--{f.name.replace('_', '-')}={getattr(self, f.name)}")
-        return shlex.join(argv)
-
-
-def add_mask_arguments(p: argparse.ArgumentParser) -> None:
-    defaults = MaskOptions()
-    for f in dataclasses.fields(MaskOptions):
-        value = getattr(defaults, f.name)
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(value), default=value)
-
-
-def options_from(args: argparse.Namespace) -> MaskOptions:
-    return MaskOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(MaskOptions)})
 
 
 def _b_ttft(records: list[StreamRecord]) -> dict[str, Any]:
