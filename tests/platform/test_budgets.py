@@ -168,6 +168,14 @@ async def test_the_budget_holds_across_two_replicas(replicas: list[TenancyEnv]) 
             await _chat(_client(env, key), 1)
         _check_refusal(refused.value, sum(sizes))
         assert (await _used(env, key))["used"] == sum(sizes)
+    # Back to back, without waiting: a replica sees the other's charge once it commits (a few
+    # ms after the response), its own before its next admission; so at most the other's last
+    # request is not yet counted, and the budget is exceeded by at most two requests.
+    key = a.tenant("globex")
+    await _budget(a, "globex", limit=2000)
+    sizes, error, _ = await _spend_until_refused(replicas, key, settle=False)
+    assert error.code == "budget_exceeded"
+    assert sum(sizes[:-2]) < 2000 <= sum(sizes) < 2000 + 2 * max(sizes)
 
 
 async def test_requests_in_flight_when_the_budget_is_reached_finish(
