@@ -15,7 +15,8 @@ releases (``quota_db``). Nothing is reserved for requests in flight: they finish
 charged in full, so a budget is exceeded by at most the tokens of the requests in flight when
 it was reached.
 
-Crossings: after a budgeted request's row is written, the budgets it touched are read again;
+Crossings: after a budgeted request's row is written, the budgets it touched are read again
+when its own tokens may have taken one over a threshold not yet recorded (``_may_cross``);
 a soft limit crossed or a hard limit reached is recorded once per budget and period
 (``BudgetAlert``, unique across replicas) with an audit event (``budget.soft_limit_crossed``,
 ``budget.hard_limit_reached``), and each listener (``subscribe``) gets a ``BudgetEvent`` on the
@@ -43,7 +44,14 @@ from sqlalchemy.orm import Session
 from loraplex.platform import budget_store as store
 from loraplex.platform.auth import Caller
 from loraplex.platform.budget_store import Applicable
-from loraplex.platform.budgets import BudgetRule, BudgetStatus, Prices, budget_headers, refusal
+from loraplex.platform.budgets import (
+    BudgetRule,
+    BudgetStatus,
+    Prices,
+    alert_period,
+    budget_headers,
+    refusal,
+)
 from loraplex.platform.db.database import Database
 from loraplex.platform.db.models import Tenant, utcnow
 from loraplex.platform.request_log import RequestRecord
@@ -52,6 +60,7 @@ from loraplex.platform.usage import UsageRecorder
 logger = logging.getLogger(__name__)
 
 RULES_TTL_S = 2.0
+MAX_REMEMBERED = 10_000  # crossings known recorded (beyond: forgotten, read again)
 
 
 @dataclass(frozen=True)
@@ -69,10 +78,11 @@ BudgetListener = Callable[[BudgetEvent], None]
 
 @dataclass(frozen=True)
 class BudgetAdmission:
-    """A request admitted under budgets: which, and the headers it gets."""
+    """A request admitted under budgets: which, their state before it, and its headers."""
 
     tenant_id: int
     applicable: Applicable
+    states: tuple[BudgetStatus, ...]
     headers: dict[str, str]
 
 
@@ -110,6 +120,7 @@ class BudgetManager:
         self._checks: set[asyncio.Task[None]] = set()  # crossing checks still running
         self._listeners: list[BudgetListener] = []
         self.settled = store.SettledDays()  # settled days' usage, per tenant / key
+        self._recorded: set[tuple[int, float, str]] = set()  # (budget, period, level) known
 
     # ---- which budgets apply ---------------------------------------------------------------
 
@@ -148,8 +159,9 @@ class BudgetManager:
         states = await self._statuses(applicable)
         error = refusal(states, applicable.tenant_name)
         if error is not None:
+            self._check_refused(applicable, states)
             raise error
-        return BudgetAdmission(tenant_id, applicable, budget_headers(states))
+        return BudgetAdmission(tenant_id, applicable, tuple(states), budget_headers(states))
 
     async def _statuses(self, applicable: Applicable) -> list[BudgetStatus]:
         now, base = self.now(), self.base_name()
@@ -160,9 +172,6 @@ class BudgetManager:
     def track(self, record: RequestRecord, admission: BudgetAdmission) -> None:
         """``record``'s request was admitted under ``admission``: charge it when it ends."""
         self._by_record[id(record)] = admission
-
-    def forget(self, record: RequestRecord) -> None:
-        self._by_record.pop(id(record), None)
 
     # ---- charging ----------------------------------------------------------------------------
 
@@ -181,7 +190,8 @@ class BudgetManager:
         writes = self._writes.setdefault(tenant_id, set())
         writes.add(write)
         write.add_done_callback(lambda t: self._written(tenant_id, t))
-        check = loop.create_task(self._after(write, admission), name="budget-crossings")
+        tokens = (record.prompt_tokens, record.completion_tokens)
+        check = loop.create_task(self._after(write, admission, tokens), name="budget-crossings")
         self._checks.add(check)
         check.add_done_callback(self._checks.discard)
 
@@ -194,14 +204,64 @@ class BudgetManager:
         if not task.cancelled() and task.exception() is not None:
             logger.error("writing budgeted usage rows failed: %s", task.exception())
 
-    async def _after(self, write: asyncio.Task[int], admission: BudgetAdmission) -> None:
+    async def _after(
+        self, write: asyncio.Task[int], admission: BudgetAdmission, tokens: tuple[int, int]
+    ) -> None:
         try:
             await asyncio.wait({write})
-            await self.record_crossings(admission.applicable)
+            if self._may_cross(admission, tokens):
+                await self.record_crossings(admission.applicable)
         except Exception:  # the next request's check records what this one missed
             logger.exception("checking budget crossings failed")
 
     # ---- crossings ---------------------------------------------------------------------------
+
+    def _may_cross(self, admission: BudgetAdmission, tokens: tuple[int, int]) -> bool:
+        """Whether the request that used ``tokens`` may have taken a budget over a threshold
+        not yet recorded: its budgets' use at its admission plus its own tokens (a cost budget:
+        always, its price is not at hand). Charges of other requests that ended meanwhile are
+        not counted here: the next request's admission sees them, and its check records what
+        this one missed."""
+        now = self.now()
+        for state in admission.states:
+            rule = state.rule
+            estimate = state.used + rule.prompt_weight * tokens[0]
+            estimate += rule.completion_weight * tokens[1]
+            levels = [("hard", rule.limit)]
+            if rule.soft_percent is not None:
+                levels.append(("soft", rule.limit * rule.soft_percent / 100.0))
+            period = alert_period(rule, now)
+            for level, threshold in levels:
+                if (rule.id, period, level) in self._recorded:
+                    continue
+                if rule.metric == "cost" or estimate >= threshold:
+                    return True
+        return False
+
+    def _check_refused(self, applicable: Applicable, states: list[BudgetStatus]) -> None:
+        """A refusal: make sure the spent budget's hard limit is recorded (the charges that
+        spent it may all have been checked before the others that ended beside them were in)."""
+        unknown = [
+            s for s in states
+            if s.exceeded and (s.rule.id, alert_period(s.rule, s.now), "hard") not in self._recorded
+        ]  # fmt: skip
+        if unknown:
+            check = asyncio.get_running_loop().create_task(
+                self._after_refusal(applicable), name="budget-crossings"
+            )
+            self._checks.add(check)
+            check.add_done_callback(self._checks.discard)
+
+    async def _after_refusal(self, applicable: Applicable) -> None:
+        try:
+            await self.record_crossings(applicable)
+        except Exception:
+            logger.exception("checking budget crossings failed")
+
+    def _remember(self, state: BudgetStatus, level: str) -> None:
+        if len(self._recorded) >= MAX_REMEMBERED:
+            self._recorded.clear()
+        self._recorded.add((state.rule.id, alert_period(state.rule, state.now), level))
 
     def subscribe(self, listener: BudgetListener) -> None:
         """Call ``listener`` with every crossing this replica records."""
@@ -234,9 +294,11 @@ class BudgetManager:
             return True
 
         try:
-            if not await self.db.run(write):
-                return None
+            recorded = await self.db.run(write)
         except IntegrityError:  # another replica recorded it first
+            recorded = False
+        self._remember(state, level)
+        if not recorded:
             return None
         kind = "budget.soft_limit_crossed" if level == "soft" else "budget.hard_limit_reached"
         return BudgetEvent(kind, tenant, store.alert_facts(state))

@@ -324,3 +324,27 @@ async def test_a_crossing_is_recorded_once_across_replicas(replicas: list[Tenanc
     assert results == [[], []] and len(heard) == 1
     with a.store.db.session() as session:
         assert session.scalar(select(func.count()).select_from(BudgetAlert)) == 1
+
+
+async def test_a_limit_reached_by_requests_side_by_side_is_recorded(tenancy: TenancyEnv) -> None:
+    """Two requests admitted together, each under the limit with its own tokens, reach it
+    together: neither one's check sees the crossing; the refusal that follows records it."""
+    key = tenancy.tenant("acme")
+    await _budget(tenancy, "acme", limit=100)
+    tenancy.fake.step_delay = 0.01
+    client = _client(tenancy, key)
+    both = await asyncio.gather(_chat(client, 50), _chat(client, 50))
+    assert sum(raw.parse().usage.total_tokens for raw in both) >= 100
+    await _charged([tenancy])
+    with tenancy.store.db.session() as session:
+        assert session.scalar(select(func.count()).select_from(BudgetAlert)) == 0
+    with pytest.raises(openai.RateLimitError):
+        await _chat(client, 5)
+    await _charged([tenancy])
+    with tenancy.store.db.session() as session:
+        assert list(session.scalars(select(BudgetAlert.level))) == ["hard"]
+    with pytest.raises(openai.RateLimitError):  # recorded once
+        await _chat(client, 5)
+    await _charged([tenancy])
+    with tenancy.store.db.session() as session:
+        assert session.scalar(select(func.count()).select_from(BudgetAlert)) == 1
