@@ -9,8 +9,8 @@ audience       who                                                 routes
                                                                    /tokenize, /detokenize
 ``tenant``     a tenant key only (never the operator's token)      /v1/adapters, /v1/usage
 ``operator``   the operator's credential only (the admin token;    /admin/api/*, vLLM's
-               without the platform, the ``--api-key``)            /v1/load_lora_adapter and
-                                                                   /v1/unload_lora_adapter
+               without the platform, the ``--api-key``), or an     /v1/load_lora_adapter and
+               admin UI session's cookie (a viewer: reads only)    /v1/unload_lora_adapter
 ``metrics``    the metrics token or the operator                   /metrics
 ``admin_ui``   a signed-in operator session (cookie); API keys     /admin pages
                never open a page
@@ -40,6 +40,7 @@ from loraplex.platform.auth import (
     ANONYMOUS,
     SCOPE_ADAPTERS_WRITE,
     SCOPE_ADMIN,
+    SCOPE_ADMIN_READ,
     SCOPE_INFERENCE,
     Caller,
     bearer_token,
@@ -111,10 +112,37 @@ async def tenant_writer(caller: Annotated[Caller, Depends(tenant_caller)]) -> Ca
 
 
 async def operator_caller(request: Request) -> Caller:
-    caller = await get_caller(request)
-    if caller.kind != "operator" or not caller.has_scope(SCOPE_ADMIN):
-        raise _not_operator(request.url.path)
-    return caller
+    caller = await _operator_credential(request)
+    if caller.kind == "operator" and caller.has_scope(SCOPE_ADMIN):
+        return caller
+    if caller.kind == "operator" and caller.has_scope(SCOPE_ADMIN_READ):
+        if request.method in _READ_METHODS:
+            return caller
+        raise APIError(
+            403,
+            f"{request.method} {request.url.path} changes something, and you are signed in with "
+            "the viewer role, which is read-only; ask an operator to make the change.",
+            type=PERMISSION,
+            code="read_only_role",
+        )
+    raise _not_operator(request.url.path)
+
+
+_READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+SessionCaller = Callable[[Request], Coroutine[Any, Any, Caller | None]]
+
+
+async def _operator_credential(request: Request) -> Caller:
+    """The bearer credential as everywhere; without an ``Authorization`` header, the admin UI
+    session of the request's cookie when the application has one (``app.admin_session``:
+    operators and viewers signed in to the UI, see ``loraplex.webui.api_session``)."""
+    hook: SessionCaller | None = getattr(request.app, "admin_session", None)
+    if hook is not None and "authorization" not in request.headers:
+        caller = await hook(request)
+        if caller is not None:
+            request.state.caller = caller
+            return caller
+    return await get_caller(request)
 
 
 def _not_operator(path: str) -> APIError:

@@ -20,6 +20,8 @@ ANONYMOUS = "anonymous"  # the caller id of an open server's callers (no --api-k
 SCOPE_INFERENCE = "inference"
 SCOPE_ADAPTERS_WRITE = "adapters:write"
 SCOPE_ADMIN = "admin"
+# The viewer role of the admin UI's single sign-on: the admin API's reads, never its writes.
+SCOPE_ADMIN_READ = "admin:read"
 ALL_SCOPES = frozenset({SCOPE_INFERENCE, SCOPE_ADAPTERS_WRITE, SCOPE_ADMIN})
 
 

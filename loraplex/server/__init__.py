@@ -38,6 +38,7 @@ from loraplex.platform.request_log import BodyLimitMiddleware, RequestLogMiddlew
 from loraplex.platform.settings import ServerSettings, load_settings
 from loraplex.platform.store import Store
 from loraplex.webui import ROUTERS, SESSION_GUARDS, WebUI, WebUISettings, attach_webui, build_webui
+from loraplex.webui.api_session import session_caller
 
 __all__ = ["LoraplexApp", "create_app", "mount_routes"]
 
@@ -48,6 +49,7 @@ class LoraplexApp(FastAPI):
 
     platform: Platform
     webui: WebUI | None
+    admin_session: access.SessionCaller | None  # an admin UI session on /admin/api
 
 
 def create_app(
@@ -86,6 +88,7 @@ def create_app(
         redoc_url=None,
     )
     app.platform, app.webui = platform, webui
+    app.admin_session = session_caller if webui is not None else None
     install_error_handlers(app)
     document_error_envelope(app)
     observers = platform.observers

@@ -31,6 +31,7 @@ from loraplex.webui import (
     login,
     overview,
     playground,
+    sso,
     tenants,
     usage,
 )
@@ -48,6 +49,7 @@ from loraplex.webui.context import (
     static_versions,
 )
 from loraplex.webui.live import EngineMonitor, LiveRecorder
+from loraplex.webui.oidc import OIDCClient, SSOSettings
 from loraplex.webui.sessions import (
     DatabaseSessionStore,
     LoginThrottle,
@@ -83,13 +85,19 @@ def load_webui_settings(**overrides: Any) -> WebUISettings:
     return WebUISettings(**overrides)
 
 
-def build_webui(platform: Platform, settings: WebUISettings | None = None) -> WebUI:
+def build_webui(
+    platform: Platform,
+    settings: WebUISettings | None = None,
+    sso_settings: SSOSettings | None = None,
+) -> WebUI:
     """The admin UI's state for ``platform`` (which must run the multi-tenant platform).
     ``webui.recorder.observe_record`` is a request-log observer feeding the Overview's charts:
-    the application adds it to the request log's observers."""
+    the application adds it to the request log's observers. ``sso_settings``: single sign-on (default:
+    ``LORAPLEX_SSO_*`` from the environment; off without an issuer)."""
     if platform.tenancy is None:
         raise ValueError("the admin UI manages the multi-tenant platform; build it with a Store")
     settings = settings or load_webui_settings()
+    sso_settings = sso_settings or SSOSettings()
     recorder = LiveRecorder()
     nav: list[NavItem] = [page.NAV for page in PAGES if getattr(page, "NAV", None) is not None]
     return WebUI(
@@ -104,6 +112,7 @@ def build_webui(platform: Platform, settings: WebUISettings | None = None) -> We
         templates=make_templates(),
         nav=nav,
         static_versions=static_versions(),
+        sso=OIDCClient(sso_settings) if sso_settings.enabled else None,
     )
 
 
@@ -166,11 +175,13 @@ class _StaticFiles(StaticFiles):
 SESSION_GUARDS = (
     context.page_admin,
     context.form_admin,
+    context.form_session,  # signing out: any role
     context.json_admin,
     adapters.streamed_form_admin,  # the upload form, checked before its body is streamed
 )
 ROUTERS: tuple[tuple[APIRouter, Audience], ...] = (
     (login.router, "public"),
+    (sso.router, "public"),  # single sign-on's start and callback: nobody is signed in yet
     *((page.router, "admin_ui") for page in PAGES),
 )
 

@@ -56,6 +56,7 @@ from loraplex.webui.context import (
     current_session,
     redirect,
     render,
+    require_writer,
     webui_of,
 )
 from loraplex.webui.views import (
@@ -413,6 +414,7 @@ async def streamed_form_admin(request: Request) -> StreamedForm:
             "was not accepted. Sign in and upload it again.",
             action=("Sign in", "/admin/login"),
         )
+    require_writer(session)  # a viewer's upload: 403 before any file
     try:
         boundary = boundary_of(request.headers.get("content-type"))
     except APIError:

@@ -21,7 +21,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Protocol, TypeVar, cast
+from typing import Annotated, Any, Literal, Protocol, TypeVar, cast
 from urllib.parse import urlencode
 
 import jinja2
@@ -37,6 +37,7 @@ from loraplex.platform.errors import INVALID_REQUEST, APIError
 from loraplex.platform.store import Store
 from loraplex.webui.credentials import credential_version
 from loraplex.webui.live import EngineMonitor, LiveRecorder
+from loraplex.webui.oidc import OIDCClient
 from loraplex.webui.sessions import (
     FlashLevel,
     LoginThrottle,
@@ -111,6 +112,7 @@ class WebUI:
     nav: list[NavItem]
     static_versions: dict[str, str]
     new_keys: OneTimeSecrets = field(default_factory=OneTimeSecrets)
+    sso: OIDCClient | None = None  # single sign-on (``LORAPLEX_SSO_*``); None: off
 
     @property
     def tenancy(self) -> Tenancy:
@@ -237,14 +239,24 @@ def redirect(request: Request, path: str, status: int = 303) -> Response:
 
 
 def set_cookie(
-    request: Request, response: Response, name: str, value: str, path: str = HOME
+    request: Request,
+    response: Response,
+    name: str,
+    value: str,
+    path: str = HOME,
+    *,
+    samesite: Literal["strict", "lax"] = "strict",
+    max_age: int | None = None,
 ) -> None:
+    """HttpOnly, Secure over TLS; Lax only where a cross-site redirect must carry it (single
+    sign-on comes back from the provider's site)."""
     response.set_cookie(
         name,
         value,
         path=url_for_path(request, path),
+        max_age=max_age,
         httponly=True,
-        samesite="strict",
+        samesite=samesite,
         secure=is_https(request),
     )
 
@@ -291,6 +303,8 @@ def render(
             CSRF_FIELD, csrf_token
         ),
         "nav": [(item, item.active_for(here)) for item in webui.nav] if admin else [],
+        "read_only": admin is not None and admin.session.read_only,
+        "sso_user": admin.session.sso if admin is not None else None,
         "flashes": admin.session.pop_flashes() if admin is not None else [],
         "refresh_ms": int(webui.settings.refresh_seconds * 1000),
         "refresh_seconds": f"{webui.settings.refresh_seconds:g}",
@@ -359,6 +373,13 @@ async def current_session(request: Request) -> Session | None:
     session = await webui.sessions.load(session_id)
     if session is None:
         return None
+    identity = session.sso
+    if identity is not None:  # single sign-on: valid while its configuration is unchanged
+        sso = webui.sso
+        if sso is None or identity.fingerprint != sso.settings.fingerprint():
+            await webui.sessions.end(session_id)
+            return None
+        return session
     now = webui.sessions.now()
     if now - session.verified_at >= CREDENTIAL_RECHECK_S:
         store = webui.store
@@ -393,9 +414,35 @@ def csrf_refused() -> Refused:
     )
 
 
+def read_only_refused() -> Refused:
+    return Refused(
+        403,
+        "Your role is read-only",
+        "You are signed in with the viewer role, which can open every page but change "
+        "nothing. Ask an operator to make this change, or to give your account the operator "
+        "role in the identity provider.",
+        action=("Go to the overview", HOME),
+    )
+
+
+def require_writer(session: Session) -> None:
+    """Refuse (403) a write by a viewer; every form that changes something calls this."""
+    if session.read_only:
+        raise read_only_refused()
+
+
 async def form_admin(request: Request) -> Admin:
-    """Dependency of a form POST: a signed-in operator whose form carries the session's CSRF
-    token; anything else is refused with 403 before the route runs."""
+    """Dependency of a form POST that changes something: a signed-in operator (not a viewer)
+    whose form carries the session's CSRF token; anything else is refused with 403 before the
+    route runs."""
+    admin = await form_session(request)
+    require_writer(admin.session)
+    return admin
+
+
+async def form_session(request: Request) -> Admin:
+    """Dependency of a form POST any signed-in role may send (signing out): the session's CSRF
+    token is checked, the role is not."""
     session = await current_session(request)
     if session is None:
         raise Refused(
@@ -430,4 +477,5 @@ async def json_admin(request: Request) -> Admin:
 # (a script's JSON or fragment).
 SignedIn = Annotated[Admin, Depends(page_admin)]
 FormPost = Annotated[Admin, Depends(form_admin)]
+SessionPost = Annotated[Admin, Depends(form_session)]  # any role: signing out
 Polling = Annotated[Admin, Depends(json_admin)]

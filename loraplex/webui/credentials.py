@@ -5,11 +5,18 @@ is stored in ``PlatformSetting``), compared by SHA-256 digest in constant time.
 A session remembers the ``credential_version`` it signed in under and is re-checked against the
 current one every few seconds, so changing the environment token or running
 ``loraplex admin token rotate`` signs every browser out too.
+
+A single sign-on session (``sso``) has a version of its own, ``sso:<role>:<fingerprint>:<user>``
+(at most 64 characters, the column's width): its role and user travel with it in both session
+stores, and it stays valid while the SSO configuration's fingerprint is unchanged (a changed
+provider, client or role mapping ends it), whatever happens to the admin token.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
+from typing import Literal
 
 from sqlalchemy.orm import Session
 
@@ -18,6 +25,33 @@ from loraplex.platform.keys import parse_key
 from loraplex.platform.store import Store
 
 MAX_TOKEN_CHARS = 512
+SSO_PREFIX = "sso:"
+MAX_VERSION_CHARS = 64
+Role = Literal["operator", "viewer"]
+
+
+@dataclass(frozen=True)
+class SSOIdentity:
+    role: Role
+    fingerprint: str  # of the SSO configuration it signed in under
+    user: str
+
+
+def sso_version(role: Role, fingerprint: str, user: str) -> str:
+    """The ``credential_version`` of a single sign-on session (``user`` may be shortened)."""
+    head = f"{SSO_PREFIX}{role}:{fingerprint}:"
+    return head + user.replace(":", "")[: MAX_VERSION_CHARS - len(head)]
+
+
+def sso_identity(version: str) -> SSOIdentity | None:
+    """The role, fingerprint and user of a single sign-on session's version; None otherwise."""
+    if not version.startswith(SSO_PREFIX):
+        return None
+    role, _, rest = version[len(SSO_PREFIX) :].partition(":")
+    fingerprint, _, user = rest.partition(":")
+    if role not in ("operator", "viewer") or not fingerprint:
+        return None
+    return SSOIdentity(role, fingerprint, user)  # type: ignore[arg-type]
 
 
 def looks_like_tenant_key(candidate: str) -> bool:

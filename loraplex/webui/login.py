@@ -19,8 +19,8 @@ from loraplex.webui.context import (
     CSRF_FIELD,
     LOGIN_COOKIE,
     SESSION_COOKIE,
-    FormPost,
     Refused,
+    SessionPost,
     client_address,
     current_session,
     delete_cookie,
@@ -52,6 +52,7 @@ def _login_page(
     headers: dict[str, str] | None = None,
 ) -> Response:
     notice = NOTICES.get(request.query_params.get("notice", ""))
+    sso = webui_of(request).sso
     response = render(
         request,
         "login.html",
@@ -62,6 +63,7 @@ def _login_page(
         next_path=next_path,
         error=error,
         notice=None if error else notice,
+        sso_name=sso.settings.display_name if sso is not None else None,
     )
     set_cookie(request, response, LOGIN_COOKIE, token, path=LOGIN_PATH)
     return response
@@ -157,7 +159,7 @@ def _throttled(request: Request, token: str, next_path: str, wait: int) -> Respo
 
 
 @router.post("/admin/logout")
-async def logout(request: Request, admin: FormPost) -> Response:
+async def logout(request: Request, admin: SessionPost) -> Response:
     await webui_of(request).sessions.end(request.cookies.get(SESSION_COOKIE))
     response = redirect(request, f"{LOGIN_PATH}?notice=signed_out")
     delete_cookie(request, response, SESSION_COOKIE)

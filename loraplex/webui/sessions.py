@@ -40,6 +40,7 @@ from sqlalchemy.orm import Session as DBSession
 
 from loraplex.platform.db.database import Database
 from loraplex.platform.db.models import AdminSession
+from loraplex.webui.credentials import SSOIdentity, sso_identity
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,17 @@ class Session:
     flashes: list[tuple[FlashLevel, str]] = field(default_factory=list)
     # Told when ``flashes`` change (the database store saves them); None: memory only.
     on_change: Callable[[Session], None] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def sso(self) -> SSOIdentity | None:
+        """Who signed in through single sign-on (role, user); None: the admin token."""
+        return sso_identity(self.credential_version)
+
+    @property
+    def read_only(self) -> bool:
+        """The viewer role: pages only, no writes (an admin token session is an operator)."""
+        identity = self.sso
+        return identity is not None and identity.role == "viewer"
 
     def csrf_matches(self, candidate: str | None) -> bool:
         if not candidate:
