@@ -91,6 +91,11 @@ def test_budgets_in_the_browser(browser: Any, served: tuple[WebEnv, str, str], s
     expect(key_row).to_contain_text("spent: requests refused")
     shot(page, "budgets")
 
+    page.goto(url + "/admin/keys")
+    page.get_by_role("link", name=re.compile(r"^Budgets of lpx_")).click()
+    expect(page).to_have_url(re.compile(rf"/admin/keys/{public_id}/budgets$"))
+    expect(page.locator("tr[data-budget]")).to_have_count(2)
+
     page.goto(url + "/admin/tenants/acme")
     section = page.locator("section", has=page.get_by_role("heading", name="Budgets"))
     expect(section.locator("tr[data-budget]")).to_have_count(2)
