@@ -5,7 +5,8 @@
       operator_adapters (vLLM's adapter API; gives the resolver --lora-resolver-dir)
       tenancy: Tenancy | None      the multi-tenant platform (a ``Store``: database + files)
         quotas, usage, budgets, registry, tenants (TenantService), authenticator (tenant keys +
-        admin)
+        admin),
+        request_log (the stored, searchable request log)
 
 Nothing is wired after construction: each component gets what it uses when it is built, the
 request log's observers are listed here (``observers``), and ``lifespan`` is the one place that
@@ -33,7 +34,8 @@ from loraplex.platform.quota_db import DatabaseQuotaStore
 from loraplex.platform.quotas import QuotaManager, QuotaStore
 from loraplex.platform.registry.resolver import RegistryModels
 from loraplex.platform.registry.service import Registry
-from loraplex.platform.request_log import RecordObserver
+from loraplex.platform.request_log import BodyCap, RecordObserver
+from loraplex.platform.request_log_writer import RequestLogCollector, RequestLogWriter
 from loraplex.platform.settings import ServerSettings, load_settings
 from loraplex.platform.store import Store
 from loraplex.platform.tenant_auth import TenantAuthenticator
@@ -55,6 +57,7 @@ class Tenancy:
     registry: Registry
     tenants: TenantService
     authenticator: TenantAuthenticator
+    request_log: RequestLogWriter
 
     @classmethod
     def build(cls, store: Store, client: EngineClient, base_name: ServedName) -> Tenancy:
@@ -66,6 +69,10 @@ class Tenancy:
         usage = UsageRecorder(store.db)
         budgets = BudgetManager(store.db, usage, base_name)
         quotas = QuotaManager(store.db, store=quota_store, budgets=budgets)
+        request_log = RequestLogWriter(
+            store.db, retention_days=store.settings.request_log_retention_days
+        )
+        request_log.load_caps()
         return cls(
             store=store,
             quotas=quotas,
@@ -74,6 +81,7 @@ class Tenancy:
             registry=registry,
             tenants=TenantService(store.db, quotas, registry, client),
             authenticator=TenantAuthenticator(store.db, AdminCredential(store.settings)),
+            request_log=request_log,
         )
 
 
@@ -131,7 +139,7 @@ class Platform:
             else:
                 key = settings.api_key.get_secret_value() if settings.api_key else None
                 authenticator = OperatorKeyAuthenticator(key)
-        return cls(
+        platform = cls(
             settings=settings,
             client=client,
             resolver=resolver,
@@ -152,6 +160,9 @@ class Platform:
             operator_adapters=operator_adapters,
             tenancy=tenancy,
         )
+        if tenancy is not None:
+            platform.metrics.registry.register(RequestLogCollector(tenancy.request_log))
+        return platform
 
     @property
     def observers(self) -> tuple[RecordObserver, ...]:
@@ -162,7 +173,12 @@ class Platform:
             return (self.metrics.observe,)
         tenancy = self.tenancy
         return (self.metrics.observe, tenancy.quotas.observe, tenancy.usage.observe,
-                tenancy.budgets.observe)  # fmt: skip
+                tenancy.budgets.observe, tenancy.request_log.observe)  # fmt: skip
+
+    @property
+    def body_cap(self) -> BodyCap | None:
+        """How much of each body the request log keeps for a request (None: no bodies)."""
+        return self.tenancy.request_log.body_cap if self.tenancy is not None else None
 
     @asynccontextmanager
     async def lifespan(self, *, own_client: bool) -> AsyncIterator[None]:
@@ -191,6 +207,9 @@ class Platform:
                     asyncio.create_task(
                         self.tenancy.quotas.store.maintain_forever(), name="quota-upkeep"
                     ),
+                    asyncio.create_task(
+                        self.tenancy.request_log.maintain_forever(), name="request-log-upkeep"
+                    ),
                 ]
                 registry, settings = self.tenancy.registry, self.tenancy.store.settings
                 if registry.shared:  # other replicas' deletions reach this one's engine
@@ -205,5 +224,6 @@ class Platform:
                 await self.tenancy.quotas.store.close()
                 await self.tenancy.budgets.close()
                 await self.tenancy.usage.close()
+                await self.tenancy.request_log.close()
             if own_client:
                 await self.client.shutdown()

@@ -118,6 +118,9 @@ class TenancySettings(BaseSettings):
         2, ge=1, le=256, description="uploads received and validated at once; more get 429"
     )
     usage_retention_days: int = Field(30, ge=1, description="raw usage rows; roll-ups stay")
+    request_log_retention_days: int = Field(
+        7, ge=1, le=3650, description="days the request log keeps a request (purged hourly)"
+    )
     shared_state: Literal["auto", "local", "database"] = Field(
         "auto",
         description="where quota windows, admin UI sessions and adapter files live: 'local' "

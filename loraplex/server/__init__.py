@@ -28,6 +28,7 @@ from loraplex.platform.api import budgets as budgets_api
 from loraplex.platform.api import metrics as metrics_api
 from loraplex.platform.api import openai as openai_routes
 from loraplex.platform.api import registry as registry_routes
+from loraplex.platform.api import request_logs as request_logs_api
 from loraplex.platform.api import tokenize as tokenize_routes
 from loraplex.platform.api import usage as usage_api
 from loraplex.platform.auth import Authenticator
@@ -99,7 +100,7 @@ def create_app(
     app.add_middleware(
         BodyLimitMiddleware, max_bytes=settings.max_request_bytes, exempt=streams_own_body
     )
-    app.add_middleware(RequestLogMiddleware, observers=observers)
+    app.add_middleware(RequestLogMiddleware, observers=observers, body_cap=platform.body_cap)
     mount_routes(app)
     return app
 
@@ -122,6 +123,7 @@ def mount_routes(app: LoraplexApp) -> None:
             (usage_api.router, "tenant"),
             (budgets_api.tenant_router, "tenant"),
             (budgets_api.operator_router, "operator"),
+            (request_logs_api.operator_router, "operator"),
             (registry_routes.operator_router, "operator"),
             (admin_api.router, "operator"),
         ]

@@ -16,6 +16,11 @@ Shared by platform replicas on one database (``--shared-state database``)::
     PlatformEvent                           (a change feed every replica polls: released content)
     AdapterBlob                             (stored adapter files, chunked, by content hash)
 
+The request log (search, export, retention)::
+
+    Tenant ─┬─< RequestLogEntry             (one per API request, refused ones too)
+            └── RequestLogSetting           (its opt-in to bodies, with a size cap)
+
 Rows that a tenant owns are only ever queried through ``loraplex.platform.db.scope.TenantScope``.
 Times are stored in UTC and read back timezone-aware, on SQLite as on PostgreSQL.
 """
@@ -28,6 +33,7 @@ from typing import Any, Literal
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Date,
     DateTime,
     Dialect,
@@ -397,3 +403,55 @@ class BudgetAlert(Base):
     level: Mapped[str] = mapped_column(String(8))  # "soft" | "hard"
     used: Mapped[float] = mapped_column(Float)
     created_at: Mapped[dt.datetime] = _created()
+
+
+class RequestLogEntry(Base):
+    """One API request, as the request log search shows it (``loraplex.platform.request_logs``):
+    also the refused ones (4xx, 5xx), unlike ``UsageRecord``. Bodies only for a tenant that
+    opted in (``RequestLogSetting``), cut at its cap. Kept ``request_log_retention_days``.
+
+    Pages are ordered by ``id`` (keyset): rows are inserted with growing ids, so a new row never
+    moves one already paged past."""
+
+    __tablename__ = "request_logs"
+    __table_args__ = (
+        Index("ix_request_logs_tenant_id_id", "tenant_id", "id"),
+        Index("ix_request_logs_key_id_id", "key_id", "id"),
+        Index("ix_request_logs_served_model_id", "served_model", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(BigIntKey, primary_key=True, autoincrement=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), index=True)  # its arrival
+    # None: the operator's own request.
+    tenant_id: Mapped[int | None] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), default=None
+    )
+    key_id: Mapped[str | None] = mapped_column(String(32), default=None)  # the key's public id
+    method: Mapped[str] = mapped_column(String(8))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str | None] = mapped_column(String(140), default=None)  # as the caller sent it
+    served_model: Mapped[str | None] = mapped_column(String(140), default=None)  # "name@N" | base
+    status: Mapped[int] = mapped_column(Integer)
+    error_code: Mapped[str | None] = mapped_column(String(64), default=None)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    ttft_ms: Mapped[float | None] = mapped_column(Float, default=None)
+    duration_ms: Mapped[float] = mapped_column(Float)
+    finish_reason: Mapped[str | None] = mapped_column(String(64), default=None)
+    request_id: Mapped[str] = mapped_column(String(64), index=True)
+    stream: Mapped[bool] = mapped_column(Boolean, default=False)
+    request_body: Mapped[str | None] = mapped_column(Text, default=None)
+    response_body: Mapped[str | None] = mapped_column(Text, default=None)
+
+
+class RequestLogSetting(Base):
+    """A tenant's opt-in to request and response bodies in its request log, cut at
+    ``body_max_bytes`` each (no row: no bodies)."""
+
+    __tablename__ = "request_log_settings"
+
+    tenant_id: Mapped[int] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    body_max_bytes: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)

@@ -17,12 +17,13 @@ from loraplex.platform.db.models import (
     AdapterVersion,
     ApiKey,
     Budget,
+    RequestLogEntry,
     Tenant,
     UsageDaily,
     UsageRecord,
 )
 
-M = TypeVar("M", ApiKey, Adapter, UsageRecord, UsageDaily, Budget)
+M = TypeVar("M", ApiKey, Adapter, UsageRecord, UsageDaily, Budget, RequestLogEntry)
 
 
 def find_key(session: Session, public_id: str) -> tuple[ApiKey, Tenant] | None:

@@ -83,6 +83,7 @@ async def test_every_admin_body_refuses_unknown_fields_naming_them(env: TenancyE
         "POST /admin/api/tenants/{tenant}/keys",
         "PUT /admin/api/prices/models/{name}",
         "PUT /admin/api/tenants/{tenant}/adapters/{ref}/price",
+        "PUT /admin/api/tenants/{tenant}/request-log",
     ]
     # Every body schema says so too, nested ones included.
     schemas = env.app.openapi()["components"]["schemas"]
