@@ -13,6 +13,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
+# KV cache storage: auto is the activations' dtype (engine/models/precision.py)
+KVCacheDType = Literal["auto", "float32", "bfloat16"]
 # The order waiting requests are admitted in (engine/waiting_queue.py): first come first served;
 # lower priority first; or fair shares between tenants (Virtual Token Counter), priority first.
 SchedulingPolicy = Literal["fcfs", "priority", "fair"]
@@ -76,8 +78,13 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes for the KV cache (all layers)
     gpu_memory_utilization: float = 0.9  # CUDA only: fraction of device memory to use
     enable_prefix_caching: bool = True
+    kv_cache_dtype: KVCacheDType = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(
+                f"kv_cache_dtype must be auto, float32 or bfloat16; got {self.kv_cache_dtype!r}"
+            )
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be between 1 and 1024; got {self.block_size}")
         if self.num_blocks is not None and self.kv_cache_memory is not None:

@@ -33,6 +33,7 @@ from loraplex.config import (
     CacheConfig,
     DType,
     EngineConfig,
+    KVCacheDType,
     LoRAConfig,
     ModelConfig,
     SchedulerConfig,
@@ -119,6 +120,9 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
               positive_float),
     EngineArg("enable_prefix_caching", "cache", "reuse the KV of shared prompt prefixes",
               switch=True),
+    EngineArg("kv_cache_dtype", "cache", "KV cache storage (auto: the activations' dtype; "
+              "bfloat16 on the CPU halves the bytes decode attention reads, sums stay fp32)",
+              choices=get_args(KVCacheDType)),
     EngineArg("max_num_seqs", "scheduler", "requests in one step", positive_int),
     EngineArg("max_num_batched_tokens", "scheduler", "tokens in one step", positive_int),
     EngineArg("scheduling_policy", "scheduler", "the order waiting requests are admitted in",
@@ -160,6 +164,7 @@ class EngineKwargs(TypedDict, total=False):
     kv_cache_memory: int | None
     gpu_memory_utilization: float
     enable_prefix_caching: bool
+    kv_cache_dtype: KVCacheDType
     max_num_seqs: int
     max_num_batched_tokens: int
     scheduling_policy: SchedulingPolicy

@@ -34,7 +34,7 @@ from loraplex.engine.models.loader import (
     resolve_device,
 )
 from loraplex.engine.models.parallel import SINGLE, TPGroup
-from loraplex.engine.models.precision import resolve_precision
+from loraplex.engine.models.precision import resolve_precision, with_kv_cache
 from loraplex.engine.records import (
     RunnerOutput,
     ScheduledRequest,
@@ -90,14 +90,18 @@ class ModelRunner:
         if tp.size > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", tp.rank)  # one GPU per rank
             torch.cuda.set_device(self.device)
-        self.precision = resolve_precision(model_config.dtype, self.device)
+        self.precision = with_kv_cache(
+            resolve_precision(model_config.dtype, self.device),
+            cache_config.kv_cache_dtype,
+            self.device,
+        )
         dtype = self.precision.dtype
         torch.manual_seed(model_config.seed)
         self.model: LlamaForCausalLM
         self.model, self.hf_config = load_model(
             model_dir, self.precision, self.device, model_config.max_model_len, tp
         )
-        self._spec = build_spec(model_dir, self.hf_config, dtype)
+        self._spec = build_spec(model_dir, self.hf_config, self.precision.cache_dtype)
         layer0 = self.model.model.layers[0]
         assert isinstance(layer0, DecoderLayer)
         attn0 = layer0.self_attn
@@ -119,6 +123,11 @@ class ModelRunner:
             self._kv_spec.num_heads,
             self._kv_spec.num_kv_heads,
         )
+        if self.precision.kv_dtype is not None and model_config.attention_backend == "triton":
+            raise ValueError(
+                "attention_backend triton reads a KV cache in the activations' dtype; use "
+                "kv_cache_dtype auto with it"
+            )
         self.sampler = Sampler(self._spec.vocab_size, self.device)
         self.kv_cache: torch.Tensor | None = None  # [layers, 2, num_blocks, block_size, H_kv, Dh]
         self.lora: LoRAManager | None = None
@@ -201,9 +210,10 @@ class ModelRunner:
             self.model_config.enforce_eager or self.tp.size > 1,  # no graphs under TP
         )
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            "KV cache: %d blocks of %d tokens, %s (%.1f MiB)",
             num_blocks,
             self.block_size,
+            str(self.kv_cache.dtype).removeprefix("torch."),
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
         )
         return num_blocks

@@ -106,7 +106,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.lp_paged_decode_attention.restype = c_int
     lib.lp_paged_decode_attention.argtypes = [
         ptr, i64, ptr, i64,  # q, q_row_stride, rows, n
-        ptr, ptr, ptr, i64, ptr,  # k_cache, v_cache, block_tables, width, seq_lens
+        ptr, ptr, c_int,  # k_cache, v_cache, kv_dtype (0 fp32, 2 bf16)
+        ptr, i64, ptr,  # block_tables, width, seq_lens
         i64, i64, i64, i64, c_float,  # block_size, num_heads, num_kv_heads, head_dim, scale
         ptr, i64, c_int,  # out, out_row_stride, num_threads
     ]  # fmt: skip

@@ -4,12 +4,19 @@ and the bf16 path's accuracy against Hugging Face's bf16 with vLLM's tolerance r
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from loraplex import SamplingParams
 from loraplex.engine.default_model import resolve_model_dir
-from loraplex.engine.models.precision import AUTO_ENV, cpu_bf16_flags, resolve_precision
+from loraplex.engine.models.precision import (
+    AUTO_ENV,
+    cpu_bf16_flags,
+    resolve_precision,
+    with_kv_cache,
+)
 from loraplex.kernels import packed_gemm
 from loraplex.llm import LLM
 
@@ -75,10 +82,8 @@ MAX_TOKENS = 24
 TIE_MARGIN = 0.25  # nats between the reference's top two: a tie bf16 rounding may break
 
 
-@bf16_machine
-@pytest.mark.slow
-def test_bf16_greedy_text_matches_hugging_face_bf16_within_the_tie_rule() -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _chat_prompts() -> tuple[str, list[str]]:
+    from transformers import AutoTokenizer
 
     model_dir = resolve_model_dir(None)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -88,11 +93,19 @@ def test_bf16_greedy_text_matches_hugging_face_bf16_within_the_tie_rule() -> Non
         )
         for q in QUESTIONS
     ]
-    llm = LLM(None, dtype="bfloat16")
-    assert llm.llm_engine.core.runner.precision.gemm_dtype == BF16
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    return model_dir, prompts
+
+
+def _assert_within_tie_rule(
+    model_dir: str, prompts: list[str], outs: list[Any], dtype: torch.dtype
+) -> None:
+    """Greedy tokens equal to Hugging Face's in ``dtype`` until the first position where the
+    reference's top two are within ``TIE_MARGIN`` (there ours must be one of those two); at
+    least half the prompts exactly equal."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     exact = 0
     for prompt, out in zip(prompts, outs, strict=True):
         ids = tok(prompt, return_tensors="pt").input_ids
@@ -121,3 +134,40 @@ def test_bf16_greedy_text_matches_hugging_face_bf16_within_the_tie_rule() -> Non
         )
     assert exact >= len(QUESTIONS) // 2
     assert "Paris" in outs[0].outputs[0].text
+
+
+@bf16_machine
+@pytest.mark.slow
+def test_bf16_greedy_text_matches_hugging_face_bf16_within_the_tie_rule() -> None:
+    model_dir, prompts = _chat_prompts()
+    llm = LLM(None, dtype="bfloat16")
+    assert llm.llm_engine.core.runner.precision.gemm_dtype == BF16
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    _assert_within_tie_rule(model_dir, prompts, outs, torch.bfloat16)
+
+
+@pytest.mark.slow
+def test_a_bf16_kv_cache_matches_hugging_face_fp32_within_the_tie_rule() -> None:
+    """fp32 weights and activations, keys and values stored as bf16 (any CPU: widening bf16
+    is a shift): the greedy text stays Hugging Face fp32's up to near-ties."""
+    model_dir, prompts = _chat_prompts()
+    llm = LLM(None, dtype="float32", kv_cache_dtype="bfloat16")
+    runner = llm.llm_engine.core.runner
+    assert runner.precision.cache_dtype == BF16 and runner.kv_cache is not None
+    assert runner.kv_cache.dtype == BF16
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    _assert_within_tie_rule(model_dir, prompts, outs, torch.float32)
+
+
+def test_kv_cache_dtype_is_checked_and_gpus_keep_the_activations_dtype() -> None:
+    fp32 = resolve_precision("float32", torch.device("cpu"))
+    assert with_kv_cache(fp32, "auto", torch.device("cpu")) is fp32
+    assert with_kv_cache(fp32, "bfloat16", torch.device("cpu")).cache_dtype == BF16
+    assert with_kv_cache(fp32, "float32", torch.device("cpu")).kv_dtype is None
+    gpu = resolve_precision("float16", torch.device("cuda"))
+    with pytest.raises(ValueError, match="only the CPU stores the KV cache"):
+        with_kv_cache(gpu, "bfloat16", torch.device("cuda"))
+    with pytest.raises(ValueError, match="kv_cache_dtype must be"):
+        with_kv_cache(fp32, "float8", torch.device("cpu"))

@@ -1,4 +1,5 @@
-"""Paged attention on the CPU with loraplex's native decode kernel (fp32).
+"""Paged attention on the CPU with loraplex's native decode kernel (fp32 activations; the KV
+cache fp32 or bf16).
 
 Prefill chunks go through the torch backend's SDPA path unchanged (large GEMM-shaped work, where
 SDPA is fast). Decode rows, one query token each, go to ``lp_paged_decode_attention`` in
@@ -31,6 +32,8 @@ from loraplex.kernels import native
 
 # query heads per KV head the kernel handles (LP_MAX_GROUP in cpu_kernels.c)
 MAX_GROUP = 64
+# the cache element types it reads (LP_F32, LP_BF16 in lp_simd.h)
+_KV_CODES = {torch.float32: 0, torch.bfloat16: 2}
 
 
 @dataclass
@@ -102,6 +105,11 @@ class NativePagedAttention(TorchPagedAttention):
             q = q.contiguous()
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the native decode kernel needs a contiguous KV cache")
+        kv_code = _KV_CODES.get(k_cache.dtype)
+        if kv_code is None:
+            raise ValueError(
+                f"the native decode kernel reads fp32 or bf16 caches, not {k_cache.dtype}"
+            )
         tables = md.decode_tables_host
         rc = self._lib.lp_paged_decode_attention(
             native.ptr(q),
@@ -110,6 +118,7 @@ class NativePagedAttention(TorchPagedAttention):
             md.num_decodes,
             native.ptr(k_cache),
             native.ptr(v_cache),
+            kv_code,
             tables.ctypes.data,
             tables.shape[1],
             md.decode_seq_lens_host.ctypes.data,

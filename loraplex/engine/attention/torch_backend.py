@@ -109,9 +109,13 @@ class TorchPagedAttention:
     def write_kv(
         k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this step's k/v at their slots; returns the layer's (k_cache, v_cache)."""
+        """Store this step's k/v at their slots (rounded to the cache's dtype where it is
+        narrower: a bf16 cache beside fp32 activations); returns the layer's (k_cache,
+        v_cache)."""
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, H_kv, D] each
+        if k.dtype != k_cache.dtype:
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
         return k_cache, v_cache
@@ -157,6 +161,8 @@ class TorchPagedAttention:
         # index_select of whole blocks: contiguous runs, about 2x faster than k_cache[tables]
         keys = k_cache.index_select(0, blocks).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
         vals = v_cache.index_select(0, blocks).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
+        if keys.dtype != q.dtype:  # a bf16 cache: attention in the activations' dtype
+            keys, vals = keys.to(q.dtype), vals.to(q.dtype)
         # keys, vals: [D, H_kv, ctx, Dh]
         out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=md.decode_mask)
         return out.reshape(n, num_heads, head_dim)  # [D, H, Dh]
@@ -181,6 +187,8 @@ class TorchPagedAttention:
             ks = k_cache.index_select(0, seq.blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
             vs = v_cache.index_select(0, seq.blocks).flatten(0, 1)[:seq_len].transpose(0, 1)
             # ks, vs: [H_kv, S, Dh]
+            if ks.dtype != qs.dtype:  # a bf16 cache: attention in the activations' dtype
+                ks, vs = ks.to(qs.dtype), vs.to(qs.dtype)
             out = F.scaled_dot_product_attention(
                 qs, ks[None], vs[None], attn_mask=seq.mask[None, None], enable_gqa=True
             )

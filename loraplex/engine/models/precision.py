@@ -13,6 +13,7 @@ CPU (the test suite pins fp32 for its comparisons against fp32 references).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,13 +29,42 @@ BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo names of native bf16 a
 
 @dataclass(frozen=True)
 class Precision:
-    """``dtype``: the model's tensors (activations, KV cache); ``gemm_dtype``: the weights of
-    the packed CPU matrix products; ``name`` and ``reason``: what to tell the operator."""
+    """``dtype``: the model's activations; ``gemm_dtype``: the weights of the packed CPU matrix
+    products; ``name`` and ``reason``: what to tell the operator; ``kv_dtype``: the KV cache's
+    storage when it differs from ``dtype`` (``cache_dtype``)."""
 
     dtype: torch.dtype
     gemm_dtype: torch.dtype
     name: str
     reason: str
+    kv_dtype: torch.dtype | None = None
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
+
+
+def with_kv_cache(precision: Precision, kv_cache_dtype: str, device: torch.device) -> Precision:
+    """``precision`` with the KV cache stored as ``kv_cache_dtype`` (``auto``: as the
+    activations). A bf16 cache beside fp32 activations is a CPU feature: writes round to bf16,
+    attention widens what it reads and sums in fp32 (``kernels/csrc/cpu_kernels.c``); other
+    devices keep the cache in the activations' dtype."""
+    if kv_cache_dtype == "auto":
+        return precision
+    if kv_cache_dtype not in ("float32", "bfloat16"):
+        raise ValueError(
+            f"kv_cache_dtype must be auto, float32 or bfloat16; got {kv_cache_dtype!r}"
+        )
+    wanted = _DTYPES[kv_cache_dtype]
+    if wanted == precision.dtype:
+        return precision
+    if device.type != "cpu":
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype} differs from the activations' "
+            f"{str(precision.dtype).removeprefix('torch.')}: only the CPU stores the KV cache in "
+            "another dtype; use kv_cache_dtype auto"
+        )
+    return dataclasses.replace(precision, kv_dtype=wanted)
 
 
 def cpu_bf16_flags(cpuinfo: str | None = None) -> tuple[str, ...]:

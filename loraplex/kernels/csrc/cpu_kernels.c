@@ -63,7 +63,8 @@ static inline void lp_axpy(float *restrict y, float alpha, const float *restrict
  *
  * q, out      row r of the flat batch at q + r * q_row_stride: [num_heads, head_dim] contiguous
  * rows        [n] the flat-batch row of sequence i
- * k/v_cache   [num_blocks, block_size, num_kv_heads, head_dim] contiguous
+ * k/v_cache   [num_blocks, block_size, num_kv_heads, head_dim] contiguous, elements of
+ *             kv_dtype (LP_F32, or LP_BF16: half the bytes read, widened to fp32 as read)
  * block_tables [n, width] the blocks of sequence i; seq_lens [n] its keys (all visible)
  * Query head h reads KV head h / (num_heads / num_kv_heads), as Hugging Face's repeat_kv does.
  * A task is one sequence: every KV head with its group of query heads, over the sequence's
@@ -81,13 +82,23 @@ static inline void lp_axpy(float *restrict y, float alpha, const float *restrict
  */
 #define LP_MAX_ND 8 /* head_dim / LP_VL held in registers: up to 128 with AVX-512 */
 
-/* scores[o] = scale * q . k_o for the m keys of a block, k_o at kb + o * tok_stride.
+/* scores[o] = scale * q . k_o for the m keys of a block, k_o at element ko + o * tok_stride of
+ * kc (type dt: LP_F32 or LP_BF16, a constant once inlined, widened to fp32 as it is read).
  * nd > 0: head_dim = nd * LP_VL (a constant once inlined); nd == 0: any head_dim. */
 static inline __attribute__((always_inline)) void lp_block_scores(
-    const int nd, const float *q, const float *kb, int64_t tok_stride, int64_t m,
-    int64_t head_dim, float scale, float *scores) {
+    const int nd, const int dt, const float *q, const void *kc, int64_t ko, int64_t tok_stride,
+    int64_t m, int64_t head_dim, float scale, float *scores) {
     if (nd == 0) {
-        for (int64_t o = 0; o < m; o++) scores[o] = scale * lp_dot(q, kb + o * tok_stride, head_dim);
+        for (int64_t o = 0; o < m; o++) {
+            const int64_t e = ko + o * tok_stride;
+            float s = 0.0f;
+            if (dt == LP_F32) {
+                s = lp_dot(q, (const float *)kc + e, head_dim);
+            } else {
+                for (int64_t d = 0; d < head_dim; d++) s += q[d] * lp_at(dt, kc, e + d);
+            }
+            scores[o] = scale * s;
+        }
         return;
     }
     lp_vf qv[LP_MAX_ND];
@@ -96,57 +107,65 @@ static inline __attribute__((always_inline)) void lp_block_scores(
     for (; o + LP_VL <= m; o += LP_VL) {
         lp_vf part[LP_VL]; /* part[j]: lane-wise products for key o + LP_BITREV[j] */
         for (int j = 0; j < LP_VL; j++) {
-            const float *kp = kb + (o + LP_BITREV[j]) * tok_stride;
-            lp_vf acc = qv[0] * lp_ld(kp);
-            for (int d = 1; d < nd; d++) acc += qv[d] * lp_ld(kp + d * LP_VL);
+            const int64_t e = ko + (o + LP_BITREV[j]) * tok_stride;
+            lp_vf acc = qv[0] * lp_ldt(dt, kc, e);
+            for (int d = 1; d < nd; d++) acc += qv[d] * lp_ldt(dt, kc, e + d * LP_VL);
             part[j] = acc;
         }
         lp_st(scores + o, lp_transpose_sum(part) * scale);
     }
     for (; o < m; o++) {
-        const float *kp = kb + o * tok_stride;
-        lp_vf acc = qv[0] * lp_ld(kp);
-        for (int d = 1; d < nd; d++) acc += qv[d] * lp_ld(kp + d * LP_VL);
+        const int64_t e = ko + o * tok_stride;
+        lp_vf acc = qv[0] * lp_ldt(dt, kc, e);
+        for (int d = 1; d < nd; d++) acc += qv[d] * lp_ldt(dt, kc, e + d * LP_VL);
         scores[o] = scale * lp_hsum(acc);
     }
 }
 
-/* acc = acc * corr + sum_o p[o] * v_o over the m values of a block (nd as above) */
+/* acc = acc * corr + sum_o p[o] * v_o over the m values of a block, v_o at element
+ * vo + o * tok_stride of vc (type dt; nd as above) */
 static inline __attribute__((always_inline)) void lp_block_values(
-    const int nd, float *acc, float corr, const float *p, const float *vb, int64_t tok_stride,
-    int64_t m, int64_t head_dim) {
+    const int nd, const int dt, float *acc, float corr, const float *p, const void *vc,
+    int64_t vo, int64_t tok_stride, int64_t m, int64_t head_dim) {
     if (nd == 0) {
         if (corr != 1.0f) {
 #pragma omp simd
             for (int64_t d = 0; d < head_dim; d++) acc[d] *= corr;
         }
-        for (int64_t o = 0; o < m; o++) lp_axpy(acc, p[o], vb + o * tok_stride, head_dim);
+        for (int64_t o = 0; o < m; o++) {
+            const int64_t e = vo + o * tok_stride;
+            if (dt == LP_F32) {
+                lp_axpy(acc, p[o], (const float *)vc + e, head_dim);
+            } else {
+                for (int64_t d = 0; d < head_dim; d++) acc[d] += p[o] * lp_at(dt, vc, e + d);
+            }
+        }
         return;
     }
     lp_vf a[LP_MAX_ND];
     for (int d = 0; d < nd; d++) a[d] = lp_ld(acc + d * LP_VL) * corr;
     for (int64_t o = 0; o < m; o++) {
         const float w = p[o];
-        const float *vp = vb + o * tok_stride;
-        for (int d = 0; d < nd; d++) a[d] += w * lp_ld(vp + d * LP_VL);
+        const int64_t e = vo + o * tok_stride;
+        for (int d = 0; d < nd; d++) a[d] += w * lp_ldt(dt, vc, e + d * LP_VL);
     }
     for (int d = 0; d < nd; d++) lp_st(acc + d * LP_VL, a[d]);
 }
 
 /* Fetch share `share` of `shares` of a block's key or value slots ahead of their use: lines
- * [share * per, (share + 1) * per) of the `lines` a task reads there, `lps` lines per slot
- * starting at `base` (slots tok_stride floats apart). Spreading a block's fetch over the heads
+ * [share * per, (share + 1) * per) of the `lines` a task reads there, `lps` 64-byte lines per
+ * slot starting at `base` (slots slot_bytes apart). Spreading a block's fetch over the heads
  * of the block before it keeps the fetch beside the arithmetic: issued all at once, it stalled
  * the loads behind it until it was served (1.12x on 64 sequences of 120 keys, 30 layers). */
-static inline void lp_fetch_share(const float *base, int64_t lines, int64_t lps, int64_t tok_stride,
-                                  int64_t share, int64_t shares) {
+static inline void lp_fetch_share(const char *base, int64_t lines, int64_t lps,
+                                  int64_t slot_bytes, int64_t share, int64_t shares) {
     if (base == NULL) return;
     const int64_t per = (lines + shares - 1) / shares;
     const int64_t u0 = share * per, u1 = u0 + per < lines ? u0 + per : lines;
     if (u0 >= u1) return;
     int64_t slot = u0 / lps, line = u0 % lps; /* one division per share, not per line */
     for (int64_t u = u0; u < u1; u++) {
-        __builtin_prefetch(base + slot * tok_stride + line * 16, 0, 2);
+        __builtin_prefetch(base + slot * slot_bytes + line * 64, 0, 2);
         if (++line == lps) {
             line = 0;
             slot++;
@@ -157,20 +176,21 @@ static inline void lp_fetch_share(const float *base, int64_t lines, int64_t lps,
 /* One task: KV heads [g0, g1) of one sequence, each with its group of query heads, over the
  * sequence's blocks in one pass with an online softmax per query head. q and out at the
  * sequence's row (head 0); table, len: its blocks and keys. With every KV head, a block's keys
- * are one contiguous run. scores [num_heads * block_size], acc [num_heads * head_dim] and
- * stats [3 * num_heads] (running max, sum and correction per query head) are the thread's
- * scratch. */
+ * are one contiguous run. The caches hold elements of type dt (fp32 or bf16); every sum is
+ * fp32. scores [num_heads * block_size], acc [num_heads * head_dim] and stats [3 * num_heads]
+ * (running max, sum and correction per query head) are the thread's scratch. */
 static inline __attribute__((always_inline)) void lp_decode_task(
-    const int nd, const float *q, float *out, const int64_t *table, int64_t len,
-    const float *k_cache, const float *v_cache, int64_t g0, int64_t g1, int64_t block_size,
+    const int nd, const int dt, const float *q, float *out, const int64_t *table, int64_t len,
+    const void *k_cache, const void *v_cache, int64_t g0, int64_t g1, int64_t block_size,
     int64_t tok_stride, int64_t group, int64_t head_dim, float scale, float *scores, float *acc,
     float *stats) {
-    const int64_t blk_stride = block_size * tok_stride;
+    const int64_t es = lp_esize(dt);
+    const int64_t blk_stride = block_size * tok_stride; /* elements */
     const int64_t h0 = g0 * group, h1 = g1 * group, heads = h1 - h0; /* query heads */
     const int64_t num_heads = tok_stride / head_dim * group;
     float *mx = stats, *sum = stats + num_heads, *corr = stats + 2 * num_heads;
     const int64_t kv_off = g0 * head_dim;
-    const int64_t lps = ((g1 - g0) * head_dim + 15) / 16; /* cache lines per slot read */
+    const int64_t lps = ((g1 - g0) * head_dim * es + 63) / 64; /* cache lines per slot read */
     for (int64_t h = h0; h < h1; h++) {
         mx[h] = -INFINITY;
         sum[h] = 0.0f;
@@ -178,21 +198,20 @@ static inline __attribute__((always_inline)) void lp_decode_task(
     for (int64_t e = h0 * head_dim; e < h1 * head_dim; e++) acc[e] = 0.0f;
     for (int64_t p0 = 0; p0 < len; p0 += block_size) {
         const int64_t off = table[p0 / block_size] * blk_stride;
-        const float *kb = k_cache + off, *vb = v_cache + off;
         const int64_t m = len - p0 < block_size ? len - p0 : block_size;
-        const float *nk = NULL, *nv = NULL; /* the next block, fetched while this one computes */
+        const char *nk = NULL, *nv = NULL; /* the next block, fetched while this one computes */
         int64_t lines = 0;
         if (p0 + block_size < len) {
-            const int64_t next = table[p0 / block_size + 1] * blk_stride + kv_off;
+            const int64_t next = (table[p0 / block_size + 1] * blk_stride + kv_off) * es;
             const int64_t rest = len - p0 - block_size;
-            nk = k_cache + next;
-            nv = v_cache + next;
+            nk = (const char *)k_cache + next;
+            nv = (const char *)v_cache + next;
             lines = (rest < block_size ? rest : block_size) * lps;
         }
         for (int64_t h = h0; h < h1; h++) {
-            lp_fetch_share(nk, lines, lps, tok_stride, h - h0, heads);
-            lp_block_scores(nd, q + h * head_dim, kb + (h / group) * head_dim, tok_stride, m,
-                            head_dim, scale, scores + h * block_size);
+            lp_fetch_share(nk, lines, lps, tok_stride * es, h - h0, heads);
+            lp_block_scores(nd, dt, q + h * head_dim, k_cache, off + (h / group) * head_dim,
+                            tok_stride, m, head_dim, scale, scores + h * block_size);
         }
         for (int64_t h = h0; h < h1; h++) { /* online softmax: exp against the running max */
             float *sh = scores + h * block_size;
@@ -218,9 +237,9 @@ static inline __attribute__((always_inline)) void lp_decode_task(
             sum[h] = sum[h] * corr[h] + s;
         }
         for (int64_t h = h0; h < h1; h++) {
-            lp_fetch_share(nv, lines, lps, tok_stride, h - h0, heads);
-            lp_block_values(nd, acc + h * head_dim, corr[h], scores + h * block_size,
-                            vb + (h / group) * head_dim, tok_stride, m, head_dim);
+            lp_fetch_share(nv, lines, lps, tok_stride * es, h - h0, heads);
+            lp_block_values(nd, dt, acc + h * head_dim, corr[h], scores + h * block_size,
+                            v_cache, off + (h / group) * head_dim, tok_stride, m, head_dim);
         }
     }
     for (int64_t h = h0; h < h1; h++) {
@@ -231,12 +250,13 @@ static inline __attribute__((always_inline)) void lp_decode_task(
 }
 
 int lp_paged_decode_attention(const float *q, int64_t q_row_stride, const int64_t *rows, int64_t n,
-                              const float *k_cache, const float *v_cache,
+                              const void *k_cache, const void *v_cache, int kv_dtype,
                               const int64_t *block_tables, int64_t width, const int64_t *seq_lens,
                               int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
                               int64_t head_dim, float scale, float *out, int64_t out_row_stride,
                               int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return -1;
+    if (kv_dtype != LP_F32 && kv_dtype != LP_BF16) return -1;
     const int64_t group = num_heads / num_kv_heads;
     if (group > LP_MAX_GROUP || block_size <= 0 || head_dim <= 0) return -1;
     for (int64_t i = 0; i < n; i++)
@@ -269,20 +289,27 @@ int lp_paged_decode_attention(const float *q, int64_t q_row_stride, const int64_
                 float *oi = out + rows[i] * out_row_stride;
                 const int64_t *table = block_tables + i * width;
                 const int64_t g0 = part * per, g1 = g0 + per;
-#define LP_TASK(c)                                                                          \
-    lp_decode_task(c, qi, oi, table, seq_lens[i], k_cache, v_cache, g0, g1, block_size,     \
+#define LP_TASK(c, t)                                                                        \
+    lp_decode_task(c, t, qi, oi, table, seq_lens[i], k_cache, v_cache, g0, g1, block_size,   \
                    tok_stride, group, head_dim, scale, scores, acc, stats)
-                switch (nd) {
-                    case 1: LP_TASK(1); break;
-                    case 2: LP_TASK(2); break;
-                    case 3: LP_TASK(3); break;
-                    case 4: LP_TASK(4); break;
-                    case 5: LP_TASK(5); break;
-                    case 6: LP_TASK(6); break;
-                    case 7: LP_TASK(7); break;
-                    case 8: LP_TASK(8); break;
-                    default: LP_TASK(0); break;
+#define LP_TASKS(t)                                                                          \
+    switch (nd) {                                                                            \
+        case 1: LP_TASK(1, t); break;                                                        \
+        case 2: LP_TASK(2, t); break;                                                        \
+        case 3: LP_TASK(3, t); break;                                                        \
+        case 4: LP_TASK(4, t); break;                                                        \
+        case 5: LP_TASK(5, t); break;                                                        \
+        case 6: LP_TASK(6, t); break;                                                        \
+        case 7: LP_TASK(7, t); break;                                                        \
+        case 8: LP_TASK(8, t); break;                                                        \
+        default: LP_TASK(0, t); break;                                                       \
+    }
+                if (kv_dtype == LP_BF16) {
+                    LP_TASKS(LP_BF16);
+                } else {
+                    LP_TASKS(LP_F32);
                 }
+#undef LP_TASKS
 #undef LP_TASK
             }
         }

@@ -154,6 +154,29 @@ def test_all_decode_batch_matches_torch(
     assert torch.equal(nat_cache, ref_cache)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), HEADS)
+@pytest.mark.parametrize("block_size", [16, 1])
+def test_bf16_cache_matches_torch_on_the_same_cache(
+    spy: DecodeSpy, heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """A bf16 KV cache beside fp32 activations: the kernel widens what it reads and sums in
+    fp32, as the torch backend does on the widened cache; this step's k/v are rounded to bf16
+    as they are written (the same bits in both), and the cache stays bf16."""
+    bs = block_size
+    seqs = [(5, 1), (0, 13), (2 * bs - 1, 1), (0, 1), (20, 6), (37, 1), (3 * bs - 1, 1)]
+    step = make_step(seqs, heads, kv_heads, head_dim, bs, seed=heads * 10 + bs)
+    step.cache = step.cache.to(torch.bfloat16)
+    ref_out, nat_out, ref_cache, nat_cache = run_both(step)
+    assert spy.calls == 1
+    assert nat_cache.dtype == torch.bfloat16 and nat_out.dtype == torch.float32
+    torch.testing.assert_close(nat_out, ref_out, **TOL)
+    assert torch.equal(nat_cache, ref_cache)
+    # what the cache holds is this step's k rounded to bf16 (not a cast of garbage bits)
+    slot = int(step.layout.slot_mapping[0])
+    stored = nat_cache[0].view(-1, kv_heads, head_dim)[slot]
+    assert torch.equal(stored, step.k[0].to(torch.bfloat16))
+
+
 def test_prefill_only_batch_skips_the_kernel(spy: DecodeSpy) -> None:
     step = make_step([(0, 9), (12, 4)], 9, 3, 64, 8, seed=3)
     ref_out, nat_out, ref_cache, nat_cache = run_both(step)
