@@ -53,7 +53,7 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name="pk_request_logs"),
     )
     op.create_index("ix_request_logs_created_at", "request_logs", ["created_at"])
-    op.create_index("ix_request_logs_request_id", "request_logs", ["request_id"])
+    op.create_index("ix_request_logs_request_id_id", "request_logs", ["request_id", "id"])
     op.create_index("ix_request_logs_tenant_id_id", "request_logs", ["tenant_id", "id"])
     op.create_index("ix_request_logs_key_id_id", "request_logs", ["key_id", "id"])
     op.create_index("ix_request_logs_served_model_id", "request_logs", ["served_model", "id"])
@@ -74,6 +74,6 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_table("request_log_settings")
-    for name in ("served_model_id", "key_id_id", "tenant_id_id", "request_id", "created_at"):
+    for name in ("served_model_id", "key_id_id", "tenant_id_id", "request_id_id", "created_at"):
         op.drop_index(f"ix_request_logs_{name}", table_name="request_logs")
     op.drop_table("request_logs")

@@ -418,6 +418,9 @@ class RequestLogEntry(Base):
         Index("ix_request_logs_tenant_id_id", "tenant_id", "id"),
         Index("ix_request_logs_key_id_id", "key_id", "id"),
         Index("ix_request_logs_served_model_id", "served_model", "id"),
+        # A lookup by id is newest-first too: with (request_id, id) it reads one index entry
+        # (PostgreSQL otherwise walks the primary key backwards for ``LIMIT 1``).
+        Index("ix_request_logs_request_id_id", "request_id", "id"),
     )
 
     id: Mapped[int] = mapped_column(BigIntKey, primary_key=True, autoincrement=True)
@@ -438,7 +441,7 @@ class RequestLogEntry(Base):
     ttft_ms: Mapped[float | None] = mapped_column(Float, default=None)
     duration_ms: Mapped[float] = mapped_column(Float)
     finish_reason: Mapped[str | None] = mapped_column(String(64), default=None)
-    request_id: Mapped[str] = mapped_column(String(64), index=True)
+    request_id: Mapped[str] = mapped_column(String(64))
     stream: Mapped[bool] = mapped_column(Boolean, default=False)
     request_body: Mapped[str | None] = mapped_column(Text, default=None)
     response_body: Mapped[str | None] = mapped_column(Text, default=None)
