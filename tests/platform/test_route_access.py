@@ -26,7 +26,12 @@ from fastapi import APIRouter, Depends, FastAPI
 from loraplex.platform import access
 from loraplex.platform.settings import ServerSettings
 from loraplex.server import create_app
+from loraplex.webui.context import SESSION_COOKIE
+from loraplex.webui.credentials import sso_version
+from loraplex.webui.oidc import OIDCClient
+from tests.utils import oidc
 from tests.utils.fakes import FakeEngineClient
+from tests.utils.oidc import needs_provider
 from tests.utils.tenancy import TenancyEnv, bearer, tenancy_env
 
 pytestmark = pytest.mark.anyio
@@ -219,3 +224,58 @@ def test_a_route_mounted_around_access_is_found(fake: FakeEngineClient) -> None:
         assert found and all(r.audience is None for r in found[-1:]), (how, found)
         with pytest.raises(AssertionError, match=r"without access\.mount"):
             list(probes(app))
+
+
+@needs_provider
+async def test_with_sso_a_viewer_reads_and_never_writes_and_no_tenant_key_gets_in(
+    platform_env: TenancyEnv,
+) -> None:
+    """Single sign-on configured against a real provider: its routes (sign-in start, callback,
+    sign-out) are in the walk; a viewer's session cookie reaches every operator route's reads
+    and no write (403 read_only_role), every admin page's GET and no form POST but signing
+    out; a tenant's key with the same cookie is still refused on every operator route."""
+    env = platform_env
+    assert env.app.webui is not None
+    tenant = env.tenant("acme")
+    with oidc.provider(["http://test/admin/sso/callback"]) as idp:
+        env.app.webui.sso = OIDCClient(oidc.sso_settings(idp.issuer, "http://localhost"))
+        fingerprint = env.app.webui.sso.settings.fingerprint()
+        session_id, _ = await env.app.webui.sessions.open(sso_version("viewer", fingerprint, "bob"))
+        viewer = {"Cookie": f"{SESSION_COOKIE}={session_id}"}
+        all_probes = list(probes(env.app))
+        wheres = {f"{p.method} {p.template}": p.audience for p in all_probes}
+        assert wheres["GET /admin/sso/login"] == "public"
+        assert wheres["GET /admin/sso/callback"] == "public"
+        assert wheres["POST /admin/logout"] == "public"  # its own session check (any role)
+        writes = [p for p in all_probes if p.method not in ("GET", "HEAD")]
+        for probe in all_probes:
+            where = f"{probe.method} {probe.template}"
+            as_tenant = await call(env.http, probe, {**viewer, **bearer(tenant)})
+            as_viewer = await call(env.http, probe, viewer)
+            if probe.audience == "operator":
+                assert as_tenant.status_code in (403, 404), (where, as_tenant.status_code)
+                if probe in writes:
+                    assert as_viewer.status_code == 403, (where, as_viewer.status_code)
+                    assert as_viewer.json()["error"]["code"] == "read_only_role", where
+                else:
+                    assert reached(as_viewer), (where, as_viewer.status_code, as_viewer.text)
+            elif probe.audience == "admin_ui":
+                assert as_tenant.status_code == 403, (where, as_tenant.status_code)
+                if probe in writes:  # no CSRF token here; with one, test_sso's viewer test
+                    assert as_viewer.status_code == 403, (where, as_viewer.status_code)
+                else:
+                    assert reached(as_viewer) and as_viewer.status_code != 303, where
+            elif probe.audience == "metrics":
+                assert refused(as_viewer), (where, as_viewer.status_code)
+            elif probe.template.startswith("/admin/sso/"):
+                assert as_viewer.status_code in (303, 400), (where, as_viewer.text)
+            elif probe.template == "/admin/logout":  # without the form's CSRF token
+                assert as_viewer.status_code == 403, where
+        form = await env.http.get("/admin", headers=viewer)
+        csrf = re.search(r'name="csrf_token" value="([^"]+)"', form.text)
+        assert csrf is not None
+        out = await env.http.post(
+            "/admin/logout", data={"csrf_token": csrf.group(1)}, headers=viewer
+        )
+        assert out.status_code == 303 and "signed_out" in out.headers["location"]
+        assert (await env.http.get("/admin/api/tenants", headers=viewer)).status_code == 401

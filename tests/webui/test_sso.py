@@ -19,7 +19,7 @@ import pytest
 from loraplex.webui.context import SESSION_COOKIE
 from loraplex.webui.oidc import OIDCClient
 from loraplex.webui.sso import FLOW_COOKIE, Flow, flow_key, seal, unseal
-from tests.utils.oidc import needs_provider, provider, sign_in_at_provider, sso_settings
+from tests.utils.oidc import Provider, needs_provider, provider, sign_in_at_provider, sso_settings
 from tests.utils.web import ADMIN_TOKEN, WebEnv, csrf_of, post_form, sign_in
 
 pytestmark = [pytest.mark.anyio, needs_provider]
@@ -27,15 +27,19 @@ pytestmark = [pytest.mark.anyio, needs_provider]
 BASE = "http://localhost"
 
 
+@pytest.fixture(scope="module")
+def idp() -> Iterator[Provider]:
+    """One provider for the module (each test signs in afresh; the provider keeps no grant)."""
+    with provider([BASE + "/admin/sso/callback", "https://localhost/admin/sso/callback"]) as p:
+        yield p
+
+
 @pytest.fixture
-def sso_web(tmp_path: Path) -> Iterator[WebEnv]:
+def sso_web(tmp_path: Path, idp: Provider) -> Iterator[WebEnv]:
     env = WebEnv.build(tmp_path)
     try:
-        with provider(
-            [BASE + "/admin/sso/callback", "https://localhost/admin/sso/callback"]
-        ) as idp:
-            env.webui.sso = OIDCClient(sso_settings(idp.issuer, BASE))
-            yield env
+        env.webui.sso = OIDCClient(sso_settings(idp.issuer, BASE))
+        yield env
     finally:
         env.close()
 
