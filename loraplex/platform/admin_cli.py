@@ -31,6 +31,7 @@ from loraplex.platform.errors import APIError
 from loraplex.platform.keys import PREFIX, display_key
 from loraplex.platform.model_access import describe
 from loraplex.platform.settings import TenancySettings
+from loraplex.platform.webhooks import cli as webhook_cli
 
 CLI_ACTOR = "admin (cli)"
 
@@ -121,6 +122,7 @@ def add_commands(commands: Any, parser_class: type[argparse.ArgumentParser]) -> 
 
     token = group(admin, "token", "the operator's admin token", "token_command")
     leaf(token, "rotate", "replace the admin token and print the new one (the old one stops)")
+    webhook_cli.add_commands(group(admin, "webhook", "alert webhooks", "webhook_command"), leaf)
 
 
 _MODELS_HELP = (
@@ -278,6 +280,7 @@ def _admin(args: argparse.Namespace, settings: TenancySettings, out: Any, err: A
             ("key", "list"): _key_list,
             ("key", "revoke"): _key_revoke,
             ("token", "rotate"): _token_rotate,
+            **webhook_cli.HANDLERS,
         }[(args.admin_on, _sub(args))]
         handler(args, settings, db, out, err)
     finally:

@@ -5,7 +5,7 @@
       operator_adapters (vLLM's adapter API; gives the resolver --lora-resolver-dir)
       tenancy: Tenancy | None      the multi-tenant platform (a ``Store``: database + files)
         quotas, usage, budgets, registry, tenants (TenantService), authenticator (tenant keys +
-        admin),
+        admin), webhooks (alerts: budgets' crossings, quota refusals, adapter failures, ...),
         request_log (the stored, searchable request log)
 
 Nothing is wired after construction: each component gets what it uses when it is built, the
@@ -42,6 +42,8 @@ from loraplex.platform.tenant_auth import TenantAuthenticator
 from loraplex.platform.tenants import TenantService
 from loraplex.platform.usage import RETENTION_INTERVAL_S, UsageRecorder, retention_loop
 from loraplex.platform.vllm_metrics import AdapterNames, VllmCollector, operator_adapter_names
+from loraplex.platform.webhooks.service import WebhookService
+from loraplex.platform.webhooks.settings import load_webhook_settings
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ class Tenancy:
     tenants: TenantService
     authenticator: TenantAuthenticator
     request_log: RequestLogWriter
+    webhooks: WebhookService
 
     @classmethod
     def build(cls, store: Store, client: EngineClient, base_name: ServedName) -> Tenancy:
@@ -73,6 +76,9 @@ class Tenancy:
             store.db, retention_days=store.settings.request_log_retention_days
         )
         request_log.load_caps()
+        webhooks = WebhookService(store.db, load_webhook_settings())
+        budgets.subscribe(webhooks.budget_alert)
+        registry.on_failure(webhooks.adapter_failure)
         return cls(
             store=store,
             quotas=quotas,
@@ -82,6 +88,7 @@ class Tenancy:
             tenants=TenantService(store.db, quotas, registry, client),
             authenticator=TenantAuthenticator(store.db, AdminCredential(store.settings)),
             request_log=request_log,
+            webhooks=webhooks,
         )
 
 
@@ -173,7 +180,8 @@ class Platform:
             return (self.metrics.observe,)
         tenancy = self.tenancy
         return (self.metrics.observe, tenancy.quotas.observe, tenancy.usage.observe,
-                tenancy.budgets.observe, tenancy.request_log.observe)  # fmt: skip
+                tenancy.budgets.observe, tenancy.request_log.observe,
+                tenancy.webhooks.observe)  # fmt: skip
 
     @property
     def body_cap(self) -> BodyCap | None:
@@ -210,6 +218,9 @@ class Platform:
                     asyncio.create_task(
                         self.tenancy.request_log.maintain_forever(), name="request-log-upkeep"
                     ),
+                    asyncio.create_task(
+                        self.tenancy.webhooks.run_forever(self.client), name="webhooks"
+                    ),
                 ]
                 registry, settings = self.tenancy.registry, self.tenancy.store.settings
                 if registry.shared:  # other replicas' deletions reach this one's engine
@@ -222,6 +233,7 @@ class Platform:
             await asyncio.gather(*background, return_exceptions=True)
             if self.tenancy is not None:
                 await self.tenancy.quotas.store.close()
+                await self.tenancy.webhooks.close()
                 await self.tenancy.budgets.close()
                 await self.tenancy.usage.close()
                 await self.tenancy.request_log.close()

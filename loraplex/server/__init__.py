@@ -31,6 +31,7 @@ from loraplex.platform.api import registry as registry_routes
 from loraplex.platform.api import request_logs as request_logs_api
 from loraplex.platform.api import tokenize as tokenize_routes
 from loraplex.platform.api import usage as usage_api
+from loraplex.platform.api import webhooks as webhooks_api
 from loraplex.platform.auth import Authenticator
 from loraplex.platform.components import Platform
 from loraplex.platform.errors import document_error_envelope, install_error_handlers
@@ -126,6 +127,7 @@ def mount_routes(app: LoraplexApp) -> None:
             (request_logs_api.operator_router, "operator"),
             (registry_routes.operator_router, "operator"),
             (admin_api.router, "operator"),
+            (webhooks_api.router, "operator"),
         ]
     if app.webui is not None:
         table += ROUTERS

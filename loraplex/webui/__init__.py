@@ -35,6 +35,7 @@ from loraplex.webui import (
     sso,
     tenants,
     usage,
+    webhooks,
 )
 from loraplex.webui.context import (
     STATIC_DIR,
@@ -79,6 +80,7 @@ PAGES: tuple[ModuleType, ...] = (
     audit,
     playground,
     budgets,
+    webhooks,
 )  # in navigation order
 
 

@@ -458,3 +458,59 @@ class RequestLogSetting(Base):
     )
     body_max_bytes: Mapped[int] = mapped_column(Integer)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime(), default=utcnow, onupdate=utcnow)
+
+
+class Webhook(Base):
+    """An operator's alert subscription (``loraplex.platform.webhooks``): events of the kinds
+    in ``events`` are POSTed to ``url``, signed with ``secret`` (shown once, at creation)."""
+
+    __tablename__ = "webhooks"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    url: Mapped[str] = mapped_column(String(2000))
+    events: Mapped[list[str]] = mapped_column(JSON, default=list)
+    secret: Mapped[str] = mapped_column(String(100))  # never listed, never in the UI
+    description: Mapped[str] = mapped_column(String(200), default="")
+    created_at: Mapped[dt.datetime] = _created()
+
+
+class WebhookEvent(Base):
+    """One alert, once: ``event_id`` is derived from what happened (a budget's period, a key's
+    expiry, ...), so replicas that see the same thing insert one row."""
+
+    __tablename__ = "webhook_events"
+
+    id: Mapped[int] = mapped_column(BigIntKey, primary_key=True, autoincrement=True)
+    event_id: Mapped[str] = mapped_column(String(40), unique=True)  # "evt_<hex>"
+    kind: Mapped[str] = mapped_column(String(64))
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON)  # the delivered body, as JSON
+    created_at: Mapped[dt.datetime] = _created()
+
+
+class WebhookDelivery(Base):
+    """One event to one subscription. A replica claims it (``claimed_until``, epoch seconds) by
+    a conditional UPDATE before sending, so one replica sends each attempt; ``attempts`` counts
+    the claims made."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (
+        UniqueConstraint("event_id", "webhook_id", name="uq_webhook_deliveries_event_id"),
+        Index("ix_webhook_deliveries_state_next_attempt_at", "state", "next_attempt_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigIntKey, primary_key=True, autoincrement=True)
+    event_id: Mapped[int] = mapped_column(ForeignKey("webhook_events.id", ondelete="CASCADE"))
+    webhook_id: Mapped[int] = mapped_column(
+        ForeignKey("webhooks.id", ondelete="CASCADE"), index=True
+    )
+    state: Mapped[str] = mapped_column(String(16), default="pending")  # pending|succeeded|failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[float] = mapped_column(Float)  # epoch seconds
+    claimed_until: Mapped[float | None] = mapped_column(Float, default=None)
+    claimed_by: Mapped[str | None] = mapped_column(String(64), default=None)
+    last_status: Mapped[int | None] = mapped_column(Integer, default=None)  # receiver's HTTP
+    last_error: Mapped[str | None] = mapped_column(Text, default=None)
+    last_duration_ms: Mapped[float | None] = mapped_column(Float, default=None)
+    created_at: Mapped[dt.datetime] = _created()
+    last_attempt_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), default=None)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), default=None)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,7 @@ from loraplex.platform.registry.validate import (
 
 if TYPE_CHECKING:
     from loraplex.lora.adapter import BaseModelInfo
+    from loraplex.lora.errors import AdapterError
     from loraplex.platform.store import Store
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,8 @@ FEED_LOOKBACK_S = 30.0  # events committed out of id order are still read within
 RECONCILE_ROUNDS = 60  # feed rounds between two collect_garbage runs (a minute at 1 s)
 EVENT_RETENTION_S = 3600.0
 MAX_DESCRIPTION = 2000
+# (kind, facts, dedup_key): an adapter failed validation or failed to load (``on_failure``)
+FailureListener = Callable[[str, dict[str, Any], str], None]
 
 
 class Registry:
@@ -102,6 +106,21 @@ class Registry:
         self._base: BaseModelInfo | None = None
         self.shared = store.settings.shares_state  # files in the database, a change feed
         self._seen: dict[int, float] = {}  # feed events handled recently: id -> when
+        self._failure_listeners: list[FailureListener] = []
+
+    def on_failure(self, listener: FailureListener) -> None:
+        """Call ``listener(kind, facts, dedup_key)`` when an upload fails validation
+        (``adapter.validation_failed``) or the engine refuses to load it
+        (``adapter.load_failed``); listeners run on the event loop and must not block. A load
+        failing later, for a request, is that request's ``adapter_failed`` error."""
+        self._failure_listeners.append(listener)
+
+    def _failed(self, kind: str, facts: dict[str, Any], dedup_key: str) -> None:
+        for listener in self._failure_listeners:
+            try:
+                listener(kind, facts, dedup_key)
+            except Exception:
+                logger.exception("registry: a failure listener failed on %s", kind)
 
     async def _db(self, fn: Callable[[Session], T]) -> T:
         return await self.db.run(fn)
@@ -456,6 +475,7 @@ class Registry:
             refused = as_adapter_error(exc)
             if refused is None:
                 raise
+            self._refused("adapter.validation_failed", tenant_id, name, refused)
             raise adapter_error(refused) from None
         self._check_targets(checked)
         # The engine's load of this content failed (its stored copy may be damaged): this
@@ -489,9 +509,16 @@ class Registry:
                     await self._undo(added)
             refused = as_adapter_error(exc) if isinstance(exc, ValueError) else None
             if refused is not None:  # the engine refused what the registry accepted
+                self._refused("adapter.load_failed", tenant_id, name, refused)
                 raise adapter_error(refused) from None
             raise
         return view
+
+    def _refused(self, kind: str, tenant_id: int, name: str, refused: AdapterError) -> None:
+        """An upload refused by validation, or by the engine's load: one alert per upload."""
+        facts = {"tenant_id": tenant_id, "adapter": name, "code": str(refused.code),
+                 "reason": refused.message[:500]}  # fmt: skip
+        self._failed(kind, facts, f"{kind}:upload:{secrets.token_hex(8)}")
 
     def _check_targets(self, checked: ValidatedAdapter) -> None:
         """The engine says which modules it applies adapters to (``EngineInfo``)."""

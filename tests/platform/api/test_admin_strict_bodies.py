@@ -28,6 +28,7 @@ UNKNOWN = {"bogus_field": 1, "another_bogus": "x"}
 NOT_JSON = {
     "POST /admin/api/tenants/{tenant}/adapters",  # multipart
     "POST /admin/api/tenants/{tenant}/adapters/{name}/versions/{number}/retry",  # no body
+    "POST /admin/api/webhooks/{webhook_id}/test",  # no body
 }
 
 
@@ -81,21 +82,23 @@ async def test_every_admin_body_refuses_unknown_fields_naming_them(env: TenancyE
         "POST /admin/api/tenants",
         "POST /admin/api/tenants/{tenant}/budgets",
         "POST /admin/api/tenants/{tenant}/keys",
+        "POST /admin/api/webhooks",
         "PUT /admin/api/prices/models/{name}",
         "PUT /admin/api/tenants/{tenant}/adapters/{ref}/price",
         "PUT /admin/api/tenants/{tenant}/request-log",
     ]
     # Every body schema says so too, nested ones included.
     schemas = env.app.openapi()["components"]["schemas"]
-    for name in ("TenantCreate", "TenantUpdate", "QuotasBody", "KeyCreate", "KeyUpdate"):
+    for name in ("TenantCreate", "TenantUpdate", "QuotasBody", "KeyCreate", "KeyUpdate",
+                 "WebhookCreate"):  # fmt: skip
         assert schemas[name]["additionalProperties"] is False, name
 
 
 def test_every_admin_body_model_is_strict() -> None:
-    from loraplex.platform.api import admin
+    from loraplex.platform.api import admin, webhooks
 
     bodies = [admin.TenantCreate, admin.TenantUpdate, admin.QuotasBody, admin.KeyCreate,
-              admin.KeyUpdate]  # fmt: skip
+              admin.KeyUpdate, webhooks.WebhookCreate]  # fmt: skip
     assert all(issubclass(b, StrictBody) for b in bodies)
 
 

@@ -49,7 +49,7 @@ def test_empty_database_upgrades_to_exactly_the_models_and_back_to_nothing(
     assert migrate.current(url) is None
     assert not migrate.is_up_to_date(url)
     migrate.upgrade(url)
-    assert migrate.current(url) == migrate.head() == "0006"
+    assert migrate.current(url) == migrate.head() == "0007"
     assert migrate.is_up_to_date(url)
     assert table_names(url) == set(Base.metadata.tables) | {"alembic_version"}
     assert schema_differences(url) == []
