@@ -4,7 +4,8 @@
 ``provider(redirect_uris)`` starts it (its accounts: ``alice`` with the operator group, ``bob``
 with the viewer group, ``carol`` with neither; any password) and stops it afterwards;
 ``sso_settings(issuer, base)`` configures loraplex for it; ``sign_in_at_provider`` plays the
-browser at the provider's sign-in form over HTTP and returns the callback URL it sends back to.
+browser at the provider's sign-in form over HTTP and returns the callback URL it sends back to;
+``start_sign_in`` and ``sso_sign_in`` do the whole round trip for an httpx client on the app.
 Tests that need it skip where Node or the package is missing.
 """
 
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urljoin
+from urllib.parse import parse_qs, urlencode, urljoin, urlsplit
 
 import httpx
 import pytest
@@ -31,6 +32,7 @@ NODE = shutil.which("node")
 CLIENT_ID = "loraplex-admin"
 CLIENT_SECRET = "test-client-secret-0123456789abcdef"
 OPERATOR_GROUP, VIEWER_GROUP = "lpx-operators", "lpx-viewers"
+BASE = "http://localhost"  # the app's address for httpx clients on it (a loopback host: http)
 
 needs_provider = pytest.mark.skipif(
     NODE is None or not (OIDC_DIR / "node_modules" / "oidc-provider").is_dir(),
@@ -118,3 +120,23 @@ def sign_in_at_provider(authorize_url: str, login: str, redirect_base: str) -> s
             assert posted.status_code in (302, 303), posted.text
             url = urljoin(url, posted.headers["location"])
     raise AssertionError("the provider never sent the browser back")
+
+
+async def start_sign_in(http: httpx.AsyncClient, next_path: str = "/admin/tenants") -> str:
+    """Open the app's single sign-on; the provider's authorization URL (checked for PKCE
+    S256, a state and a nonce)."""
+    r = await http.get("/admin/sso/login?" + urlencode({"next": next_path}))
+    assert r.status_code == 303, r.text
+    query = parse_qs(urlsplit(r.headers["location"]).query)
+    assert query["code_challenge_method"] == ["S256"] and len(query["code_challenge"][0]) == 43
+    assert query["state"][0] and query["nonce"][0] and query["state"] != query["nonce"]
+    return str(r.headers["location"])
+
+
+async def sso_sign_in(
+    http: httpx.AsyncClient, login: str, base: str = BASE, next_path: str = "/admin/tenants"
+) -> httpx.Response:
+    """Sign ``login`` in through the provider; the app's answer to the callback (303 when a
+    session was opened)."""
+    callback = sign_in_at_provider(await start_sign_in(http, next_path), login, base)
+    return await http.get(callback)

@@ -11,7 +11,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from urllib.parse import parse_qs, urlencode, urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import pytest
@@ -19,12 +19,19 @@ import pytest
 from loraplex.webui.context import SESSION_COOKIE
 from loraplex.webui.oidc import OIDCClient
 from loraplex.webui.sso import FLOW_COOKIE, Flow, flow_key, seal, unseal
-from tests.utils.oidc import Provider, needs_provider, provider, sign_in_at_provider, sso_settings
+from tests.utils.oidc import (
+    BASE,
+    Provider,
+    needs_provider,
+    provider,
+    sign_in_at_provider,
+    sso_settings,
+    sso_sign_in,
+    start_sign_in,
+)
 from tests.utils.web import ADMIN_TOKEN, WebEnv, csrf_of, post_form, sign_in
 
 pytestmark = [pytest.mark.anyio, needs_provider]
-
-BASE = "http://localhost"
 
 
 @pytest.fixture(scope="module")
@@ -48,21 +55,6 @@ def sso_web(tmp_path: Path, idp: Provider) -> Iterator[WebEnv]:
 async def http(sso_web: WebEnv) -> AsyncIterator[httpx.AsyncClient]:
     async with sso_web.http(base_url=BASE) as client:
         yield client
-
-
-async def start(http: httpx.AsyncClient, next_path: str = "/admin/tenants") -> str:
-    """Open the sign-in; the provider's authorization URL (checked for PKCE S256)."""
-    r = await http.get("/admin/sso/login?" + urlencode({"next": next_path}))
-    assert r.status_code == 303, r.text
-    query = parse_qs(urlsplit(r.headers["location"]).query)
-    assert query["code_challenge_method"] == ["S256"] and len(query["code_challenge"][0]) == 43
-    assert query["state"][0] and query["nonce"][0] and query["state"] != query["nonce"]
-    return r.headers["location"]
-
-
-async def sso_sign_in(http: httpx.AsyncClient, login: str) -> httpx.Response:
-    callback = sign_in_at_provider(await start(http), login, BASE)
-    return await http.get(callback)
 
 
 def session_cookie_header(response: httpx.Response) -> str:
@@ -162,7 +154,7 @@ async def test_an_account_without_a_mapped_group_gets_no_session(http: httpx.Asy
 
 
 async def test_an_altered_state_is_refused_and_the_flow_is_spent(http: httpx.AsyncClient) -> None:
-    callback = sign_in_at_provider(await start(http), "alice", BASE)
+    callback = sign_in_at_provider(await start_sign_in(http), "alice", BASE)
     query = parse_qs(urlsplit(callback).query)
     altered = callback.replace(query["state"][0], query["state"][0][:-2] + "xx")
     r = await http.get(altered)
@@ -178,7 +170,7 @@ async def test_an_altered_state_is_refused_and_the_flow_is_spent(http: httpx.Asy
 async def test_a_missing_or_altered_flow_cookie_is_refused(
     sso_web: WebEnv, http: httpx.AsyncClient
 ) -> None:
-    callback = sign_in_at_provider(await start(http), "alice", BASE)
+    callback = sign_in_at_provider(await start_sign_in(http), "alice", BASE)
     sealed = http.cookies[FLOW_COOKIE]
     async with sso_web.http(base_url=BASE) as other_browser:  # no flow cookie at all
         r = await other_browser.get(callback)
@@ -199,7 +191,7 @@ async def test_a_nonce_other_than_the_id_tokens_is_refused(
     token's nonce check alone refuses it."""
     assert sso_web.webui.sso is not None
     key = flow_key(sso_web.webui.sso)
-    callback = sign_in_at_provider(await start(http), "alice", BASE)
+    callback = sign_in_at_provider(await start_sign_in(http), "alice", BASE)
     flow = unseal(http.cookies[FLOW_COOKIE], key, time.time())
     put_flow_cookie(http, seal(dataclasses.replace(flow, nonce=flow.nonce[::-1]), key))
     r = await http.get(callback)
@@ -209,7 +201,7 @@ async def test_a_nonce_other_than_the_id_tokens_is_refused(
 async def test_a_late_answer_is_refused(sso_web: WebEnv, http: httpx.AsyncClient) -> None:
     assert sso_web.webui.sso is not None
     key = flow_key(sso_web.webui.sso)
-    callback = sign_in_at_provider(await start(http), "alice", BASE)
+    callback = sign_in_at_provider(await start_sign_in(http), "alice", BASE)
     flow = unseal(http.cookies[FLOW_COOKIE], key, time.time())
     late: Flow = dataclasses.replace(flow, expires=time.time() - 1)
     put_flow_cookie(http, seal(late, key))
