@@ -158,7 +158,10 @@ async def request_page(request: Request, request_id: str, admin: SignedIn) -> Re
             exc.message,
             action=("Search the request log", PATH),
         ) from None
+    hidden = admin.session.read_only and view["has_bodies"]  # a viewer: the tenant's content
+    if hidden:
+        view["request_body"] = view["response_body"] = None
     return render(
         request, "requests_show.html", admin=admin, title=f"Request {view['request_id']}",
-        row=_row(view),
+        row=_row(view), bodies_hidden=hidden,
     )  # fmt: skip

@@ -26,7 +26,7 @@ from starlette.responses import StreamingResponse
 from loraplex.platform import request_logs
 from loraplex.platform.access import operator_caller
 from loraplex.platform.api.bodies import StrictBody
-from loraplex.platform.auth import Caller
+from loraplex.platform.auth import SCOPE_ADMIN, Caller
 from loraplex.platform.deps import TenancyDep
 from loraplex.platform.request_log_writer import RequestLogWriter
 
@@ -124,9 +124,13 @@ async def export_requests(
 
 @operator_router.get("/requests/{request_id}")
 async def get_request(writer: WriterDep, request_id: str, caller: Caller = operator) -> Any:
-    """One request by its id (``x-request-id``), with its bodies where they were kept."""
+    """One request by its id (``x-request-id``), with its bodies where they were kept (for an
+    operator; a viewer's session gets ``null`` bodies: they are the tenant's content)."""
     await writer.flush()
-    return await writer.db.run(partial(request_logs.by_request_id, request_id=request_id))
+    view = await writer.db.run(partial(request_logs.by_request_id, request_id=request_id))
+    if not caller.has_scope(SCOPE_ADMIN):
+        view["request_body"] = view["response_body"] = None
+    return view
 
 
 @operator_router.get("/tenants/{tenant}/request-log")
