@@ -20,8 +20,10 @@ from typing import Any
 
 import openai
 import pytest
+from sqlalchemy import update
 
 from loraplex.platform import tenants
+from loraplex.platform.db.models import WebhookEvent
 from loraplex.platform.webhooks import signing, store
 from loraplex.platform.webhooks.service import Alert, WebhookService
 from tests.utils import registry as rf
@@ -322,3 +324,22 @@ async def test_adapter_failures_alert(
         assert all(d["tenant"] == "acme" for d in found.values())
         assert found[("adapter.load_failed", "big")]["code"] == "rank_too_large"
         assert found[("adapter.load_failed", "gone@1")]["code"] == "adapter_failed"
+
+
+async def test_old_events_are_purged_with_their_deliveries(env: TenancyEnv) -> None:
+    hook = await _subscribe(env, "http://127.0.0.1:9/never", ["engine.restarted"])
+    with env.store.db.session() as session:
+        for n in range(3):
+            store.record_event(session, "engine.restarted", f"old{n}", {}, time.time() + 3600)
+        store.record_event(session, "engine.restarted", "new", {}, time.time() + 3600)
+        old = dt.datetime.now(dt.timezone.utc) - dt.timedelta(days=31)
+        session.execute(
+            update(WebhookEvent).where(WebhookEvent.event_id != store.event_id_of("new"))
+            .values(created_at=old)
+        )  # fmt: skip
+    assert await _service(env).purge() == 3
+    assert await _service(env).purge() == 0
+    left = await env.http.get(
+        f"/admin/api/webhooks/deliveries?webhook_id={hook['id']}", headers=env.admin_headers
+    )
+    assert [d["event_id"] for d in left.json()["data"]] == [store.event_id_of("new")]

@@ -171,6 +171,12 @@ class WebhookService:
             self.emit(Alert("key.expiring", f"key.expiring:{key.public_id}:{expires}", data))
         return len(found)
 
+    async def purge(self) -> int:
+        """Delete events older than ``retention_days`` with their deliveries."""
+        before = utcnow() - dt.timedelta(days=self.settings.retention_days)
+        purged: int = await self.db.run(lambda s: store.purge(s, before))
+        return purged
+
     async def check_engine(self, client: EngineClient) -> bool:
         """Queue ``engine.restarted`` when this replica's engine restarted since the last
         look (the first look only notes the count); whether it did."""
@@ -258,6 +264,7 @@ class WebhookService:
                 if now >= next_keys:
                     next_keys = now + self.settings.check_interval_s
                     await self.check_keys()
+                    await self.purge()
                 if client is not None and now >= next_engine:
                     next_engine = now + ENGINE_POLL_S
                     await self.check_engine(client)

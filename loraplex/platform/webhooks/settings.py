@@ -31,6 +31,9 @@ class WebhookSettings(BaseSettings):
     key_expiry_hours: float = Field(
         72.0, gt=0, description="keys expiring within this many hours alert once"
     )
+    retention_days: float = Field(
+        30.0, gt=0, description="events (with their deliveries) older than this are deleted"
+    )
     check_interval_s: float = Field(
         300.0, gt=0, description="how often expiring keys and engine restarts are looked for"
     )

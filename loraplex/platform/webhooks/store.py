@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from loraplex.platform import audit
@@ -325,6 +325,15 @@ def deliveries(
             )
         )
     return views
+
+
+def purge(session: Session, before: dt.datetime) -> int:
+    """Delete the events recorded before ``before`` and their deliveries; how many events."""
+    ids = list(session.scalars(select(WebhookEvent.id).where(WebhookEvent.created_at < before)))
+    if ids:
+        session.execute(delete(WebhookDelivery).where(WebhookDelivery.event_id.in_(ids)))
+        session.execute(delete(WebhookEvent).where(WebhookEvent.id.in_(ids)))
+    return len(ids)
 
 
 def tenant_name(session: Session, tenant_id: int) -> str | None:
