@@ -4,12 +4,16 @@ the flow cookie's seal (no provider needed here)."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
+from loraplex.webui.credentials import sso_version
 from loraplex.webui.oidc import OIDCClient, SSOSettings, pkce_pair
+from loraplex.webui.sessions import DatabaseSessionStore
 from loraplex.webui.sso import Flow, FlowRefused, seal, unseal
+from tests.utils.web import WebEnv
 
 
 def test_an_issuer_without_the_rest_is_refused_naming_each_variable() -> None:
@@ -50,3 +54,24 @@ def test_the_flow_cookie_opens_only_unaltered_and_in_time() -> None:
             unseal(bad, key, now)
     with pytest.raises(FlowRefused, match="longer than"):
         unseal(seal(flow, key), key, now + 601)
+
+
+@pytest.mark.anyio
+async def test_a_replica_reads_the_role_back_from_the_shared_session_table(tmp_path: Path) -> None:
+    """Replicas share sessions through ``admin_sessions``: the role and user travel in the
+    credential version column (64 characters at most, however long the user's name)."""
+    env = WebEnv.build(tmp_path)
+    try:
+        one, other = DatabaseSessionStore(env.store.db), DatabaseSessionStore(env.store.db)
+        version = sso_version("viewer", "f" * 16, "a-very-long-user-name@example.com" * 3)
+        assert len(version) <= 64
+        session_id, _ = await one.open(version)
+        loaded = await other.load(session_id)
+        assert loaded is not None and loaded.read_only
+        assert loaded.sso is not None and loaded.sso.user.startswith("a-very-long-user-name")
+        token_id, _ = await one.open("0" * 32)  # an admin token session: an operator
+        token_session = await other.load(token_id)
+        assert token_session is not None and not token_session.read_only
+        assert token_session.sso is None
+    finally:
+        env.close()
