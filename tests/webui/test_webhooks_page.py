@@ -51,7 +51,7 @@ async def test_add_see_the_secret_once_test_send_and_delete(web: WebEnv) -> None
             (got,) = await receiver.wait_for(1)
             assert got.headers["X-Loraplex-Event-Type"] == "webhook.test"
             deadline = time.monotonic() + 5
-            while 'badge-muted">succeeded' not in (listed := (await http.get(PAGE)).text):
+            while 'badge-ok">succeeded' not in (listed := (await http.get(PAGE)).text):
                 assert time.monotonic() < deadline, listed
                 await asyncio.sleep(0.05)
             assert "webhook.test" in listed and ">200<" in listed
