@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from tests.utils import browser as base
+from tests.utils.request_logs import add_log_rows
 from tests.utils.server import ServerThread
 from tests.utils.web import ADMIN_TOKEN, WebEnv
-from tests.webui.test_requests_page import _add_rows
 
 pytestmark = base.needs_chromium
 expect = base.expect
@@ -26,8 +26,8 @@ shot = base.shot
 def served(tmp_path: Path) -> Iterator[tuple[WebEnv, str]]:
     """The admin UI over HTTP with 8 answered requests of acme and 2 failed ones of beta."""
     env = WebEnv.build(tmp_path)
-    _add_rows(env, "acme", 8)
-    _add_rows(env, "beta", 2, status=503, request_body='{"prompt": "hello"}',
+    add_log_rows(env, "acme", 8)
+    add_log_rows(env, "beta", 2, status=503, request_body='{"prompt": "hello"}',
               response_body='{"error": "engine down", "detail": "' + "x" * 400 + '"}')  # fmt: skip
     try:
         with ServerThread(env.app) as server:

@@ -4,16 +4,12 @@ fields, keyset pages, a request's page (bodies escaped), the CSV export, sign-in
 from __future__ import annotations
 
 import csv
-import datetime as dt
 import io
 import re
-from typing import Any
 
 import pytest
-from sqlalchemy import insert
 
-from loraplex.platform import tenants
-from loraplex.platform.db.models import RequestLogEntry, utcnow
+from tests.utils.request_logs import add_log_rows
 from tests.utils.tenancy import bearer
 from tests.utils.web import WebEnv, sign_in
 
@@ -22,28 +18,9 @@ pytestmark = pytest.mark.anyio
 ROW_ID = re.compile(r'class="mono small request-link" href="[^"]+">([^<]+)</a>')
 
 
-def _add_rows(web: WebEnv, tenant: str, n: int, *, status: int = 200, **extra: Any) -> None:
-    with web.store.db.session() as session:
-        owner = tenants.get_tenant(session, tenant) or tenants.create_tenant(
-            session, "admin", tenant, quotas=tenants.Quotas()
-        )
-        base = utcnow() - dt.timedelta(minutes=n)
-        rows = [
-            {"created_at": base + dt.timedelta(minutes=i), "tenant_id": owner.id,
-             "key_id": "k1", "method": "POST", "endpoint": "/v1/chat/completions",
-             "model": "pirate", "served_model": "pirate@1", "status": status,
-             "error_code": None if status < 400 else "boom", "prompt_tokens": 5,
-             "completion_tokens": 7, "ttft_ms": 3.0, "duration_ms": 9.0,
-             "finish_reason": "stop", "request_id": f"{tenant}-{status}-{i}", "stream": False,
-             **extra}
-            for i in range(n)
-        ]  # fmt: skip
-        session.execute(insert(RequestLogEntry), rows)
-
-
 async def test_pages_filters_and_a_request(web: WebEnv) -> None:
-    _add_rows(web, "acme", 60)
-    _add_rows(web, "beta", 2, status=503, request_body='{"x": "<script>alert(1)</script>"}',
+    add_log_rows(web, "acme", 60)
+    add_log_rows(web, "beta", 2, status=503, request_body='{"x": "<script>alert(1)</script>"}',
               response_body="<b>no</b>")  # fmt: skip
     key = web.tenant_key("acme")
     async with web.http() as http:

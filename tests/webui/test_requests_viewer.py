@@ -11,10 +11,9 @@ import httpx
 import pytest
 
 from loraplex.webui.oidc import OIDCClient
-from tests.utils.oidc import needs_provider, provider, sso_settings
+from tests.utils.oidc import BASE, needs_provider, provider, sso_settings, sso_sign_in
+from tests.utils.request_logs import add_log_rows
 from tests.utils.web import WebEnv, sign_in
-from tests.webui.test_requests_page import _add_rows
-from tests.webui.test_sso import BASE, sso_sign_in
 
 pytestmark = [pytest.mark.anyio, needs_provider]
 
@@ -40,7 +39,7 @@ async def http(sso_web: WebEnv) -> AsyncIterator[httpx.AsyncClient]:
 async def test_a_viewer_sees_requests_but_not_bodies(
     sso_web: WebEnv, http: httpx.AsyncClient
 ) -> None:
-    _add_rows(sso_web, "beta", 1, status=503, request_body='{"secret": "of beta"}',
+    add_log_rows(sso_web, "beta", 1, status=503, request_body='{"secret": "of beta"}',
               response_body="no")  # fmt: skip
     async with sso_web.http(base_url=BASE) as operator:
         assert (await sign_in(operator)).status_code == 303
