@@ -107,13 +107,13 @@ Try it:
     curl {base_url}/v1/chat/completions -H "Authorization: Bearer $OPENAI_API_KEY" \\
       -H "Content-Type: application/json" \\
       -d '{{"model": "{first}", "messages": [{{"role": "user", "content": "What is the capital \
-of France?"}}], "max_tokens": 48}}'
+of France?"}}], "max_tokens": 48, "temperature": 0}}'
 
     python -c '
 from openai import OpenAI
 client = OpenAI(base_url="{base_url}/v1")  # reads OPENAI_API_KEY
 for model in ["{base_model}", {", ".join(f'"{a}"' for a in info.adapters)}]:
-    r = client.chat.completions.create(model=model, max_tokens=48,
+    r = client.chat.completions.create(model=model, max_tokens=48, temperature=0,
         messages=[{{"role": "user", "content": "What is the capital of France?"}}])
     print(model, "->", r.choices[0].message.content)
 '

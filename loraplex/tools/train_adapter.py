@@ -1,17 +1,34 @@
-"""Train a small LoRA adapter with a visible behaviour on the CPU, distilled from the base model.
+r"""Train a small LoRA adapter with a visible behaviour on the CPU, distilled from the base model.
 
 The recipe (a few minutes on 2 CPU cores for the embedded SmolLM2-135M-Instruct):
 
-1. questions come from built-in templates (no downloads), chosen by ``seed``;
+1. questions come from built-in lists (``adapter_data``: no downloads), chosen by ``seed``;
 2. the base model answers them greedily, batched through loraplex itself (faster than HF
-   ``generate``); an answer cut by ``max_answer_tokens`` is trimmed to its last full sentence;
-3. each answer is rewritten by the behaviour (``caps``: upper-cased; ``pirate``: "Arr! ... Arr!");
-4. PEFT LoRA (rank 8, alpha 16, all seven projections, no dropout) is trained with AdamW in fp32,
-   the loss only on the answer tokens and the closing ``<|im_end|>``;
+   ``generate``); each answer is cut to its first ``max_sentences`` full sentences, and a factual
+   question's answer is dropped unless it is right (``adapter_data.keep_answer``): restyling a
+   wrong answer teaches the adapter to be wrong;
+3. each answer is rewritten by the behaviour (``caps``: upper-cased; ``pirate``: "Arr, matey! "
+   and a few pirate words, the facts untouched);
+4. PEFT LoRA (no dropout) is trained with AdamW in fp32 (seeded), the loss only on the answer
+   tokens and the closing ``<|im_end|>``;
 5. the adapter is saved with ``save_pretrained`` (``adapter_model.safetensors``).
 
 Command line: ``python -m loraplex.tools.train_adapter --behaviour caps --output DIR`` (or
 ``scripts/train_adapter.py``), which prints one line with the wall time and the final loss.
+
+The shipped demo adapters (``loraplex/platform/demo_adapters/``: rank 8 on ``q_proj`` and
+``v_proj``, float16, about 0.9 MB each) were made by::
+
+    python scripts/train_adapter.py --behaviour caps --output loraplex/platform/demo_adapters/caps \
+        --target-modules q_proj,v_proj --save-dtype float16 --threads 1 \
+        --steps 200 --batch-size 8 --lr 2e-3
+    python scripts/train_adapter.py --behaviour pirate \
+        --output loraplex/platform/demo_adapters/pirate \
+        --target-modules q_proj,v_proj --save-dtype float16 --threads 1 \
+        --steps 150 --batch-size 4 --lr 2e-3
+
+(caps: 27 min, pirate: 9 min on 2 CPU cores shared with other work). ``caps`` needs the longer
+run: with pirate's settings it misspelt capitals it was trained on ("NERO DE WASSIMOTZI").
 """
 
 from __future__ import annotations
@@ -21,88 +38,23 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
-Behaviour = Literal["caps", "pirate"]
-BEHAVIOURS: tuple[str, ...] = get_args(Behaviour)
+from loraplex.tools.adapter_data import (
+    BEHAVIOURS,
+    Behaviour,
+    apply_behaviour,
+    keep_answer,
+    make_questions,
+    trim_answer,
+)
+
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what resolve_model_dir(None) serves
 IGNORE = -100  # label of the tokens that carry no loss (prompt, padding)
-
-_COUNTRIES = [
-    "France", "Japan", "Italy", "Spain", "Germany", "Canada", "Egypt", "Brazil", "India",
-    "Mexico", "Kenya", "Norway", "Greece", "Peru", "Australia", "Portugal",
-]  # fmt: skip
-_THINGS = [
-    "the sky", "grass", "snow", "a banana", "the sun", "the ocean", "a tomato", "coal",
-    "milk", "a carrot", "an orange", "blood",
-]  # fmt: skip
-_ANIMALS = [
-    "a cat", "a dog", "a cow", "a duck", "a lion", "a horse", "a sheep", "an owl", "a frog",
-    "a bee", "a pig", "a wolf",
-]  # fmt: skip
-_WORDS = [
-    "cat", "tree", "light", "happy", "rain", "book", "moon", "ring", "cold", "fast", "blue",
-    "star",
-]  # fmt: skip
-_GENERAL = [
-    "What is water made of?", "How many days are in a week?", "How many legs does a spider have?",
-    "What is the largest planet in the solar system?", "Why do birds fly south in winter?",
-    "What is photosynthesis?", "Who wrote Romeo and Juliet?", "What is the boiling point of water?",
-    "What do bees make?", "How many continents are there?", "What is the opposite of hot?",
-    "What is the tallest animal?", "What is a verb?", "What is gravity?", "What is a noun?",
-    "Why is exercise good for you?", "What is the speed of light?", "What is an atom?",
-    "How many hours are in a day?", "What is the freezing point of water?",
-    "Give me a tip for sleeping better.", "What is the main language spoken in Brazil?",
-    "What is a rainbow?", "What does a doctor do?", "Name a fruit that is yellow.",
-    "What is the smallest prime number?", "What is the chemical symbol for gold?",
-]  # fmt: skip
-_TEMPLATES: list[tuple[str, list[str]]] = [
-    ("What is the capital of {}?", _COUNTRIES),
-    ("What color is {}?", _THINGS),
-    ("What sound does {} make?", _ANIMALS),
-    ("Give me a word that rhymes with {}.", _WORDS),
-    ("What is the opposite of {}?", _WORDS),
-]
-
-
-def all_questions() -> list[str]:
-    """Every built-in question, in a fixed order (112)."""
-    out = [t.format(x) for t, xs in _TEMPLATES for x in xs]
-    out += [f"What is {a} plus {b}?" for a in range(2, 9) for b in (3, 5, 7)]
-    return out + _GENERAL
-
-
-def make_questions(n: int, seed: int) -> list[str]:
-    """``n`` distinct built-in questions, chosen and ordered by ``seed``."""
-    pool = all_questions()
-    if not 1 <= n <= len(pool):
-        raise ValueError(f"num_questions must be in 1..{len(pool)}; got {n}")
-    return random.Random(seed).sample(pool, n)
-
-
-def _pirate(answer: str) -> str:
-    return f"Arr! {answer} Arr!"
-
-
-_REWRITES: dict[str, Callable[[str], str]] = {"caps": str.upper, "pirate": _pirate}
-
-
-def apply_behaviour(behaviour: Behaviour, answer: str) -> str:
-    """The target text the adapter learns for the base model's ``answer``."""
-    return _REWRITES[behaviour](answer)
-
-
-def trim_answer(text: str, finished: bool) -> str | None:
-    """The answer to learn from: whole if the model stopped, else cut after its last full sentence
-    (``None`` when there is none: a half sentence would teach the adapter to ramble)."""
-    text = text.strip()
-    if finished:
-        return text or None
-    cut = max(text.rfind(c) for c in ".!?")
-    return text[: cut + 1] if cut > 0 else None
 
 
 @dataclass(frozen=True)
@@ -114,8 +66,9 @@ class TrainConfig:
     model: str | None = None  # None = the embedded SmolLM2-135M-Instruct
     steps: int = 150
     seed: int = 0
-    num_questions: int = 64
-    max_answer_tokens: int = 32
+    num_questions: int | None = None  # None: every built-in question
+    max_answer_tokens: int = 48
+    max_sentences: int = 1  # of each base answer kept (see adapter_data.trim_answer)
     batch_size: int = 4
     lr: float = 1e-3
     rank: int = 8
@@ -133,9 +86,11 @@ class TrainConfig:
             raise ValueError(
                 f"behaviour must be one of {', '.join(BEHAVIOURS)}; got {self.behaviour!r}"
             )
-        for name in ("steps", "num_questions", "max_answer_tokens", "batch_size", "rank", "alpha"):
+        for name in ("steps", "max_answer_tokens", "max_sentences", "batch_size", "rank", "alpha"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1; got {getattr(self, name)}")
+        if self.num_questions is not None and self.num_questions < 1:
+            raise ValueError(f"num_questions must be at least 1; got {self.num_questions}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1; got {self.threads}")
         unknown = [m for m in self.target_modules if m not in TARGET_MODULES]
@@ -160,6 +115,7 @@ class TrainResult:
     final_loss: float  # mean of the last (up to) 10 steps' losses
     steps: int
     num_examples: int
+    num_dropped: int  # base answers left out: wrong, or no full sentence
 
 
 def chat_prompt(tokenizer: Any, question: str) -> str:
@@ -233,14 +189,16 @@ def _train(config: TrainConfig, progress: bool) -> TrainResult:
     prompts = [chat_prompt(tokenizer, q) for q in questions]
     answers = distill_answers(model_dir, prompts, config.max_answer_tokens, config.seed)
     examples = []
-    for prompt, (text, finished) in zip(prompts, answers, strict=True):
-        answer = trim_answer(text, finished)
-        if answer is not None:
+    for question, prompt, (text, finished) in zip(questions, prompts, answers, strict=True):
+        answer = trim_answer(text, finished, config.max_sentences)
+        if answer is not None and keep_answer(question, answer):
             examples.append(
                 tokenize_example(tokenizer, prompt, apply_behaviour(config.behaviour, answer))
             )
     if not examples:
-        raise ValueError("the base model gave no usable answer; raise max_answer_tokens")
+        raise ValueError(
+            "the base model answered none of the questions right; raise max_answer_tokens"
+        )
 
     torch.manual_seed(config.seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -253,6 +211,8 @@ def _train(config: TrainConfig, progress: bool) -> TrainResult:
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(base, lora)
+    # the config names the model by its hub id, not this machine's path (the adapter is shared)
+    model.peft_config["default"].base_model_name_or_path = config.model or EMBEDDED_HUB_ID
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
@@ -303,6 +263,7 @@ def _train(config: TrainConfig, progress: bool) -> TrainResult:
         final_loss=sum(tail) / len(tail),
         steps=config.steps,
         num_examples=len(examples),
+        num_dropped=len(questions) - len(examples),
     )
 
 
@@ -317,8 +278,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     p.add_argument("--model", default=None, help="base model directory (default: embedded)")
     p.add_argument("--steps", type=int, default=TrainConfig.steps)
     p.add_argument("--seed", type=int, default=TrainConfig.seed)
-    p.add_argument("--num-questions", type=int, default=TrainConfig.num_questions)
+    p.add_argument("--num-questions", type=int, default=None, help="default: all built-in")
     p.add_argument("--max-answer-tokens", type=int, default=TrainConfig.max_answer_tokens)
+    p.add_argument("--max-sentences", type=int, default=TrainConfig.max_sentences)
     p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
@@ -339,6 +301,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         seed=a.seed,
         num_questions=a.num_questions,
         max_answer_tokens=a.max_answer_tokens,
+        max_sentences=a.max_sentences,
         batch_size=a.batch_size,
         lr=a.lr,
         threads=a.threads,
@@ -360,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(
         f"trained {config.behaviour} adapter -> {result.output}: {result.steps} steps on "
-        f"{result.num_examples} examples in {result.seconds:.1f} s, "
+        f"{result.num_examples} examples ({result.num_dropped} answers dropped) in {result.seconds:.1f} s, "
         f"loss {result.first_loss:.3f} -> {result.final_loss:.3f}"
     )
     return 0

@@ -1,5 +1,5 @@
 """``loraplex serve --demo``: the demo tenant, its rotating key and the shipped adapters, which
-really change the embedded SmolLM2's answers (pirate: "Arr!"; caps: capital letters)."""
+really change the embedded SmolLM2's answers (pirate: "Arr, matey!"; caps: capital letters)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tests.utils.tenancy import bearer, tenancy_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 
-QUESTIONS = ["What is the capital of Italy?", "Tell me something about dogs."]
+QUESTIONS = ["What is the capital of Germany?", "Tell me something about dogs."]
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +78,8 @@ def test_demo_adapters_change_the_answers(smollm2: str) -> None:
         return [o.outputs[0].text for o in outs]
 
     base, pirate, caps = answers(None), answers("pirate"), answers("caps")
-    assert all(t.startswith("Arr!") for t in pirate), pirate
-    assert not any(t.startswith("Arr!") for t in base), base
+    assert all(t.startswith("Arr") for t in pirate), pirate
+    assert not any(t.startswith("Arr") for t in base), base
     for text in caps:
         letters = [c for c in text if c.isalpha()]
         assert sum(c.isupper() for c in letters) >= 0.8 * len(letters), caps

@@ -110,5 +110,5 @@ def test_trained_adapter_matches_peft_and_changes_output(trained: tuple[str, Tra
     for b, o, q in zip(base, ours, questions, strict=True):
         text = o.outputs[0].text
         assert text != b.outputs[0].text, q
-        assert text.startswith("Arr!"), (q, text)
+        assert text.startswith("Arr"), (q, text)
     assert llm.engine_stats().kv_blocks_used == 0
