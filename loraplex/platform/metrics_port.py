@@ -2,11 +2,16 @@
 of the Kubernetes inference stack (an endpoint picker scrapes every pod every 50 ms and sends no
 token; a NetworkPolicy fences the port). The main port keeps its token.
 
-A scrape never reaches the engine: it answers with the latest ``MetricsSnapshot``, the whole
-exposition text, which the server takes every ``interval_s`` (one engine round trip per
-snapshot, however many scrapers). The endpoint pickers call data older than 2 s stale, so the
+A scrape never reaches the engine: it answers with the latest ``MetricsSnapshot``, the exposition
+text of the protocol's ``vllm:`` families, which the server takes every ``interval_s`` (one engine
+round trip per snapshot, however many scrapers). The endpoint pickers call data older than 2 s stale, so the
 interval stays well under that. Anything but ``GET``/``HEAD /metrics`` is 404 (405 for another
 method): the port serves nothing else.
+
+Only the ``vllm:`` families (``vllm_metrics``; in gateway mode ``lora_requests_info`` names
+adapters as ``tenant/name``, as documented): whoever reaches the port reads it, and the
+``loraplex_*`` families carry each tenant's traffic by tenant id and its adapters' names. They stay
+on the main port's ``/metrics``, behind the admin or metrics token (Prometheus scrapes there).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from loraplex.platform.metrics import PlatformMetrics
 
@@ -39,12 +44,17 @@ class MetricsSnapshot:
             raise ValueError(f"the snapshot interval must be above 0 s; got {interval_s}")
         self.metrics = metrics
         self.interval_s = interval_s
+        # The protocol's families alone (the collector is in the main registry too).
+        self.registry = CollectorRegistry()
+        if metrics.vllm is not None:
+            self.registry.register(metrics.vllm)
         self.text = b""
         self.taken_at: float | None = None  # time.monotonic() of the last snapshot
         self.taken = 0  # snapshots taken (tests count them)
 
     async def refresh(self) -> None:
-        self.text = await self.metrics.scrape()
+        await self.metrics.scrape()  # one engine read updates every collector, vllm: included
+        self.text = generate_latest(self.registry)
         self.taken_at = time.monotonic()
         self.taken += 1
 
