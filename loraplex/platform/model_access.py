@@ -41,7 +41,7 @@ def check_allowed_models(
         return None
     if isinstance(values, str):  # one name where a list belongs
         values = [values]
-    names: list[str] = []
+    names: dict[str, None] = {}  # insertion-ordered set: each name checked once, in O(1)
     for value in values:
         name = value.strip() if isinstance(value, str) else None
         if not name or len(name) > MAX_MODEL_NAME or not name.isprintable() or " " in name:
@@ -52,8 +52,16 @@ def check_allowed_models(
                 param=param,
                 code="invalid_allowed_models",
             )
-        if name not in names:
-            names.append(name)
+        names[name] = None
+        if len(names) > MAX_ALLOWED_MODELS:  # before reading the rest: the list is bounded
+            raise APIError(
+                400,
+                f"{param} lists more than {MAX_ALLOWED_MODELS} models; at most "
+                f"{MAX_ALLOWED_MODELS}. An adapter's name allows all its versions, so list "
+                "names rather than each 'name@N'.",
+                param=param,
+                code="invalid_allowed_models",
+            )
     if not names:
         raise APIError(
             400,
@@ -62,15 +70,7 @@ def check_allowed_models(
             param=param,
             code="invalid_allowed_models",
         )
-    if len(names) > MAX_ALLOWED_MODELS:
-        raise APIError(
-            400,
-            f"{param} lists {len(names)} models; at most {MAX_ALLOWED_MODELS}. An adapter's name "
-            "allows all its versions, so list names rather than each 'name@N'.",
-            param=param,
-            code="invalid_allowed_models",
-        )
-    return names
+    return list(names)
 
 
 def describe(allowed: Iterable[str] | None) -> str:
