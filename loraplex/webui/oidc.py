@@ -173,10 +173,22 @@ def pkce_pair() -> tuple[str, str]:
 Fetch = Callable[[urllib.request.Request, float], tuple[int, bytes]]
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A 3xx is the answer (an unusable one), never followed: ``_check_url`` vetted only the URL
+    asked, and urllib would resend every header, the token request's client secret included,
+    to whatever the ``Location`` names (plain HTTP too)."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
 def _urlopen(request: urllib.request.Request, timeout: float) -> tuple[int, bytes]:
-    """(status, body) of ``request``; an HTTP error status is returned, not raised."""
+    """(status, body) of ``request``; an HTTP error status (a 3xx too) is returned, not raised."""
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with _OPENER.open(request, timeout=timeout) as response:
             return response.status, response.read(MAX_RESPONSE_BYTES + 1)
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read(MAX_RESPONSE_BYTES + 1)
