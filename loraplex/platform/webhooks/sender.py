@@ -98,9 +98,15 @@ async def _exchange(url: str, body: bytes, headers: dict[str, str]) -> tuple[int
         writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
         await writer.drain()
         status_line = (await reader.readline()).decode("latin-1").split(" ", 2)
-        if len(status_line) < 2 or not status_line[0].startswith("HTTP/"):
+        # A status is 3 ASCII digits (RFC 9110 15): int() alone took '+200', '2_00' and any
+        # number of digits, one the delivery's integer column could not hold.
+        if (
+            len(status_line) < 2
+            or not status_line[0].startswith("HTTP/")
+            or not (len(code := status_line[1].strip()) == 3 and code.isascii() and code.isdigit())
+        ):
             raise ValueError("the receiver did not answer HTTP")
-        status = int(status_line[1])
+        status = int(code)
         location = ""
         for _ in range(MAX_HEAD_LINES):
             line = (await reader.readline()).decode("latin-1").strip()
