@@ -113,8 +113,8 @@ async def _exchange(url: str, body: bytes, headers: dict[str, str]) -> tuple[int
             if not line:
                 break
             name, _, value = line.partition(":")
-            if name.strip().lower() == "location":
-                location = value.strip()
+            if name.strip().lower() == "location":  # for people, in a text column: printable
+                location = "".join(c for c in value.strip()[:200] if c.isprintable())
         return status, location
     finally:
         writer.close()
