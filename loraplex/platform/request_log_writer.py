@@ -70,9 +70,16 @@ class PendingEntry:
     response_body: str | None
 
 
+def _storable(text: str) -> str:
+    """``text`` with U+FFFD for each NUL: PostgreSQL's text refuses NUL, and one refused row
+    would fail its whole batch, every tenant's rows with it (callers choose model names,
+    paths and bodies)."""
+    return text.replace("\x00", "\ufffd")
+
+
 def _text(body: bytes | None) -> str | None:
     # Cut at a byte cap, a body may end inside a character: that character goes.
-    return body.decode("utf-8", "ignore") if body is not None else None
+    return _storable(body.decode("utf-8", "ignore")) if body is not None else None
 
 
 def pending_entry(record: RequestRecord) -> PendingEntry | None:
@@ -96,8 +103,8 @@ def pending_entry(record: RequestRecord) -> PendingEntry | None:
         key_id=(record.key_id or None) and record.key_id[:32],
         presented_key=record.presented_key,
         method=record.method[:8],
-        endpoint=record.path[:64],
-        model=record.model[:140] if isinstance(record.model, str) else None,
+        endpoint=_storable(record.path[:64]),
+        model=_storable(record.model[:140]) if isinstance(record.model, str) else None,
         served_model=record.served_model[:140] if record.served_model else None,
         status=status,
         error_code=record.error_code[:64] if record.error_code else None,
