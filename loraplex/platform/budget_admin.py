@@ -39,7 +39,8 @@ def _bad(message: str, param: str) -> APIError:
 
 
 def _finite(value: float, low: float, high: float, param: str, what: str) -> float:
-    if not (math.isfinite(value) and low <= value <= high):
+    # An int past a float's range (JSON allows 400 digits) is compared, never converted.
+    if not (low <= value <= high and math.isfinite(value)):
         raise _bad(f"{param} must be {what} from {low:g} to {high:g}; got {clip(value)}.", param)
     return float(value)
 
