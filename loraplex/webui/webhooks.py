@@ -22,6 +22,7 @@ from starlette.responses import Response
 
 from loraplex.platform.errors import APIError
 from loraplex.platform.webhooks import store
+from loraplex.platform.webhooks.redact import viewer_error, viewer_url
 from loraplex.webui.context import FormPost, NavItem, SignedIn, redirect, render, webui_of
 from loraplex.webui.views import WEB_ACTOR, FormErrors, fmt_time, whole_number
 
@@ -36,8 +37,9 @@ def _secret_slot(webhook_id: int) -> str:
     return f"webhook:{webhook_id}"  # key public ids have no ':'
 
 
-def _delivery_row(d: store.DeliveryView) -> dict[str, Any]:
+def _delivery_row(d: store.DeliveryView, viewer: bool) -> dict[str, Any]:
     status = str(d.last_status) if d.last_status is not None else "—"
+    error = viewer_error(d.last_error) if viewer else d.last_error
     return {
         "id": d.id,
         "webhook_id": d.webhook_id,
@@ -46,7 +48,7 @@ def _delivery_row(d: store.DeliveryView) -> dict[str, Any]:
         "state": d.state,
         "attempts": d.attempts,
         "status": status,
-        "error": d.last_error or "",
+        "error": error or "",
         "duration": f"{d.last_duration_ms:,.0f} ms" if d.last_duration_ms is not None else "—",
         "created": fmt_time(d.created_at),
         "next": fmt_time(d.next_attempt_at) if d.next_attempt_at else "",
@@ -65,6 +67,7 @@ async def _page(
         return store.list_webhooks(session), store.deliveries(session, limit=RECENT)
 
     hooks, recent = await webui_of(request).store.db.run(read)
+    viewer = bool(admin.session.read_only)  # receivers' origins only (webhooks/redact.py)
     created = whole_number(request.query_params.get("created", ""), 12)
     secret = None
     if created is not None:
@@ -78,14 +81,14 @@ async def _page(
         hooks=[
             {
                 "id": h.id,
-                "url": h.url,
+                "url": viewer_url(h.url) if viewer else h.url,
                 "events": ", ".join(h.events),
                 "description": h.description,
                 "created": fmt_time(h.created_at),
             }
             for h in hooks
         ],
-        deliveries=[_delivery_row(d) for d in recent],
+        deliveries=[_delivery_row(d, viewer) for d in recent],
         event_types=[(n, f"{n}: {meaning}") for n, meaning in store.EVENT_TYPES.items()],
         created_id=created,
         secret=secret,

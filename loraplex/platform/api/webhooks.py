@@ -22,9 +22,10 @@ from sqlalchemy.orm import Session
 
 from loraplex.platform.access import operator_caller
 from loraplex.platform.api.bodies import StrictBody
-from loraplex.platform.auth import Caller
+from loraplex.platform.auth import SCOPE_ADMIN, Caller
 from loraplex.platform.deps import TenancyDep
 from loraplex.platform.webhooks import store
+from loraplex.platform.webhooks.redact import viewer_error, viewer_url
 from loraplex.platform.webhooks.service import WebhookService
 
 router = APIRouter(prefix="/admin/api", tags=["admin"])
@@ -56,8 +57,9 @@ class WebhookOut(BaseModel):
     created_at: dt.datetime
 
     @classmethod
-    def of(cls, view: store.WebhookView) -> WebhookOut:
-        return cls(id=str(view.id), url=view.url, events=view.events,
+    def of(cls, view: store.WebhookView, *, viewer: bool = False) -> WebhookOut:
+        url = viewer_url(view.url) if viewer else view.url
+        return cls(id=str(view.id), url=url, events=view.events,
                    description=view.description, created_at=view.created_at)  # fmt: skip
 
 
@@ -88,11 +90,13 @@ class DeliveryOut(BaseModel):
     next_attempt_at: dt.datetime | None
 
     @classmethod
-    def of(cls, d: store.DeliveryView) -> DeliveryOut:
+    def of(cls, d: store.DeliveryView, *, viewer: bool = False) -> DeliveryOut:
         return cls(
-            id=str(d.id), webhook_id=str(d.webhook_id), url=d.url, event_id=d.event_id,
+            id=str(d.id), webhook_id=str(d.webhook_id),
+            url=viewer_url(d.url) if viewer else d.url, event_id=d.event_id,
             type=d.kind, state=d.state, attempts=d.attempts, last_status=d.last_status,
-            last_error=d.last_error, last_duration_ms=d.last_duration_ms,
+            last_error=viewer_error(d.last_error) if viewer else d.last_error,
+            last_duration_ms=d.last_duration_ms,
             created_at=d.created_at, last_attempt_at=d.last_attempt_at,
             finished_at=d.finished_at, next_attempt_at=d.next_attempt_at,
         )  # fmt: skip
@@ -122,10 +126,16 @@ def webhook_number(webhook_id: str) -> int:
     return int(webhook_id)
 
 
+def _viewer(caller: Caller) -> bool:
+    """The admin UI's read-only role (an operator credential without the admin scope): it sees
+    receivers' origins only (``webhooks/redact.py``)."""
+    return not caller.has_scope(SCOPE_ADMIN)
+
+
 @router.get("/webhooks", response_model=WebhookList)
 async def list_webhooks(tenancy: TenancyDep, caller: Caller = operator) -> WebhookList:
     views = await tenancy.store.db.run(store.list_webhooks)
-    return WebhookList(data=[WebhookOut.of(v) for v in views])
+    return WebhookList(data=[WebhookOut.of(v, viewer=_viewer(caller)) for v in views])
 
 
 @router.post("/webhooks", response_model=NewWebhookOut, status_code=201)
@@ -153,7 +163,7 @@ async def list_deliveries(
     views = await tenancy.store.db.run(
         lambda s: store.deliveries(s, webhook_id=number, limit=limit)
     )
-    return DeliveryList(data=[DeliveryOut.of(v) for v in views])
+    return DeliveryList(data=[DeliveryOut.of(v, viewer=_viewer(caller)) for v in views])
 
 
 @router.get("/webhooks/{webhook_id}", response_model=WebhookOut)
@@ -164,7 +174,7 @@ async def get_webhook(
     row = await tenancy.store.db.run(
         lambda s: store.WebhookView.of(store.require_webhook(s, number))
     )
-    return WebhookOut.of(row)
+    return WebhookOut.of(row, viewer=_viewer(caller))
 
 
 @router.delete("/webhooks/{webhook_id}", response_model=Deleted)
