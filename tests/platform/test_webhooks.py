@@ -161,7 +161,9 @@ async def test_a_hung_receiver_times_out_and_attempts_are_bounded(env: TenancyEn
         assert len(receiver.received) == 3  # MAX_ATTEMPTS
     assert delivery["state"] == "failed" and delivery["attempts"] == 3
     assert delivery["last_error"] == "no answer within 1 s" and delivery["last_status"] is None
-    assert 900 <= delivery["last_duration_ms"] < 6000  # the 1 s deadline, with room for a slow runner
+    assert (
+        900 <= delivery["last_duration_ms"] < 6000
+    )  # the 1 s deadline, with room for a slow runner
 
 
 async def test_redirects_are_not_followed(env: TenancyEnv) -> None:
