@@ -24,9 +24,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-from collections import deque
 from collections.abc import Iterable
-from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
 
@@ -35,6 +33,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from loraplex.platform import request_logs
+from loraplex.platform.batch_writer import BatchWriter
 from loraplex.platform.db.database import Database
 from loraplex.platform.db.models import ApiKey, RequestLogEntry, Tenant, utcnow
 from loraplex.platform.request_log import CLIENT_CLOSED, LOGGED_PREFIX, RequestRecord
@@ -120,7 +119,7 @@ def pending_entry(record: RequestRecord) -> PendingEntry | None:
     )
 
 
-class RequestLogWriter:
+class RequestLogWriter(BatchWriter[PendingEntry]):
     def __init__(
         self,
         db: Database,
@@ -130,19 +129,12 @@ class RequestLogWriter:
         batch_size: int = 500,
         flush_interval: float = 0.5,
     ) -> None:
+        # past max_queue rows the new ones are dropped (counted in ``dropped``)
+        super().__init__("request log", max_pending=max_queue, batch_size=batch_size,
+                         flush_interval=flush_interval, drop_oldest=False)  # fmt: skip
         self.db = db
         self.retention_days = retention_days
-        self.max_queue = max_queue
-        self.batch_size = batch_size
-        self.flush_interval = flush_interval
-        self.dropped = 0  # rows lost to a full queue, since start
-        self.written = 0
         self.caps: dict[int, int] = {}  # tenant id -> bytes of each body kept (opted in)
-        self._queue: deque[PendingEntry] = deque()
-        self._wake = asyncio.Event()
-        self._flush_lock = asyncio.Lock()
-        self._task: asyncio.Task[None] | None = None
-        self._closing = False
 
     # -- the request path: no I/O --
 
@@ -154,66 +146,11 @@ class RequestLogWriter:
 
     def observe(self, record: RequestRecord) -> None:
         entry = pending_entry(record)
-        if entry is None:
-            return
-        if len(self._queue) >= self.max_queue:
-            self.dropped += 1
-            if self.dropped % 1000 == 1:
-                logger.error("request log queue full (database slow or down): %d rows dropped "
-                             "so far", self.dropped)  # fmt: skip
-            return
-        self._queue.append(entry)
-        if len(self._queue) >= self.batch_size:
-            self._wake.set()
-        if (self._task is None or self._task.done()) and not self._closing:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                return  # no event loop: ``flush`` writes it later
-            self._task = loop.create_task(self._flusher(), name="request-log-writer")
+        if entry is not None:
+            self.push(entry)
 
-    @property
-    def pending(self) -> int:
-        return len(self._queue)
-
-    # -- the background writer --
-
-    async def _flusher(self) -> None:
-        while self._queue and not self._closing:
-            with suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.flush_interval)
-            self._wake.clear()
-            try:
-                await self.flush()
-            except Exception:  # the rows stay queued; the next round retries
-                logger.exception("writing request log rows failed; retrying")
-                await asyncio.sleep(self.flush_interval)
-
-    async def flush(self) -> int:
-        """Write every queued row now; returns how many. Rows a failing database refused stay
-        queued, in order, for the next flush."""
-        written = 0
-        async with self._flush_lock:
-            while self._queue:
-                n = min(self.batch_size, len(self._queue))
-                batch = [self._queue.popleft() for _ in range(n)]
-                try:
-                    written += await self.db.run(partial(_write, batch=batch))
-                except Exception:
-                    self._queue.extendleft(reversed(batch))
-                    raise
-        self.written += written
-        return written
-
-    async def close(self) -> None:
-        """Stop the writer (without interrupting a write) and write the rest."""
-        self._closing = True
-        self._wake.set()
-        task = self._task
-        if task is not None and not task.done():
-            await asyncio.gather(task, return_exceptions=True)
-        await self.flush()
-        self._closing = False
+    async def _write_batch(self, batch: list[PendingEntry]) -> int:
+        return int(await self.db.run(partial(_write, batch=batch)))
 
     # -- upkeep: body opt-ins and retention --
 

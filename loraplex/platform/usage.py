@@ -25,9 +25,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-from collections import deque
 from collections.abc import Callable, Iterable
-from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -38,6 +36,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
+from loraplex.platform.batch_writer import BatchWriter
 from loraplex.platform.db.database import Database
 from loraplex.platform.db.models import (
     Adapter,
@@ -86,7 +85,7 @@ class PendingUsage:
     created_at: dt.datetime  # when the request arrived (UTC)
 
 
-class UsageRecorder:
+class UsageRecorder(BatchWriter[PendingUsage]):
     def __init__(
         self,
         db: Database,
@@ -95,16 +94,10 @@ class UsageRecorder:
         batch_size: int = 500,
         max_buffer: int = 100_000,
     ) -> None:
+        # beyond max_buffer rows (the database is down) the oldest rows go
+        super().__init__("usage", max_pending=max_buffer, batch_size=batch_size,
+                         flush_interval=flush_interval, drop_oldest=True)  # fmt: skip
         self.db = db
-        self.flush_interval = flush_interval
-        self.batch_size = batch_size
-        self.max_buffer = max_buffer  # beyond it (the database is down) the oldest rows go
-        self.dropped = 0
-        self._buffer: deque[PendingUsage] = deque()
-        self._wake = asyncio.Event()
-        self._flush_lock = asyncio.Lock()
-        self._task: asyncio.Task[None] | None = None
-        self._closing = False
 
     # -- the request path: no I/O --
 
@@ -140,7 +133,7 @@ class UsageRecorder:
         status = record.status if record.status is not None else CLIENT_CLOSED
         if record.stream_error_status is not None:
             status = record.stream_error_status
-        self._push(
+        self.push(
             PendingUsage(
                 tenant_id=int(record.tenant_id) if record.tenant_id is not None else None,
                 key_public_id=key_id,
@@ -158,56 +151,13 @@ class UsageRecorder:
             )
         )
 
-    def _push(self, row: PendingUsage) -> None:
-        if len(self._buffer) >= self.max_buffer:
-            self._buffer.popleft()
-            self.dropped += 1
-            if self.dropped % 1000 == 1:
-                logger.error("usage buffer full (database unavailable?): %d rows dropped so far",
-                             self.dropped)  # fmt: skip
-        self._buffer.append(row)
-        if len(self._buffer) >= self.batch_size:
-            self._wake.set()
-        if (self._task is None or self._task.done()) and not self._closing:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                return  # no event loop (a synchronous caller): ``flush`` writes it later
-            self._task = loop.create_task(self._flusher(), name="usage-flusher")
-
-    @property
-    def pending(self) -> int:
-        return len(self._buffer)
-
-    # -- the background writer --
-
-    async def _flusher(self) -> None:
-        while self._buffer and not self._closing:
-            with suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.flush_interval)
-            self._wake.clear()
-            try:
-                await self.flush()
-            except Exception:  # never let the writer die with rows in the buffer
-                logger.exception("writing usage rows failed; retrying")
-
-    async def flush(self) -> int:
-        """Write every buffered row now; returns how many were written. Rows a failing
-        database refused stay buffered (in order) for the next flush."""
-        written = 0
-        async with self._flush_lock:
-            while self._buffer:
-                batch = [self._buffer.popleft() for _ in range(min(self.batch_size, len(self._buffer)))]  # fmt: skip
-                try:
-                    written += await self.db.run(partial(_write_rows, batch=batch))
-                except IntegrityError:
-                    # A tenant (or key, version) went away between the request and this write:
-                    # write tenant by tenant, dropping the rows of a deleted tenant only.
-                    written += await self._write_per_tenant(batch)
-                except Exception:
-                    self._buffer.extendleft(reversed(batch))
-                    raise
-        return written
+    async def _write_batch(self, batch: list[PendingUsage]) -> int:
+        try:
+            return int(await self.db.run(partial(_write_rows, batch=batch)))
+        except IntegrityError:
+            # A tenant (or key, version) went away between the request and this write:
+            # write tenant by tenant, dropping the rows of a deleted tenant only.
+            return await self._write_per_tenant(batch)
 
     async def _write_per_tenant(self, batch: list[PendingUsage]) -> int:
         written = 0
@@ -221,16 +171,6 @@ class UsageRecorder:
                 logger.warning("dropped %d usage rows of tenant %s: %s", len(rows), tenant_id,
                                "it no longer exists")  # fmt: skip
         return written
-
-    async def close(self) -> None:
-        """Stop the background writer (without interrupting a write) and flush the rest."""
-        self._closing = True
-        self._wake.set()
-        task = self._task
-        if task is not None and not task.done():
-            await asyncio.gather(task, return_exceptions=True)
-        await self.flush()
-        self._closing = False
 
 
 def _key_of_caller_id(caller_id: str) -> str | None:
