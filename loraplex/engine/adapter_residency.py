@@ -27,10 +27,15 @@ Invariants:
 * An adapter holding a step slot is never evicted: admission only takes ``Ready`` adapters and
   eviction happens after admission (``plan_step``), sparing every adapter in a slot.
 * A freshly loaded adapter that still has waiting demand is not evicted before it has served
-  (held a slot) once: no load-evict ping-pong.
+  (held a slot) once: no load-evict ping-pong; except for another tenant's load while its own
+  tenant holds more than its share of the pages (a tenant's prefetch never keeps another
+  tenant's adapter out of the pool).
 * Pool pages are a tenant resource: each resident adapter's pages count for the tenant that
   caused its load; when a load needs room, adapters of tenants holding more than their weighted
-  share are evicted first (least recently used within), then the least recently used others.
+  share are evicted first (least recently used within), then the least recently used others;
+  but a load that would take its tenant over its weighted share of all the pool's pages evicts
+  no adapter of another tenant that held a slot within ``IDLE_STEPS`` steps: it waits for one
+  of its own (or an over-share tenant's, or an idle one's).
 * A load in flight keeps its pages until its result arrives, even when the adapter was removed
   meanwhile (the copy may still be writing them).
 """
@@ -47,6 +52,7 @@ from loraplex.lora.plan import AdapterPlan, LoadOrder, LoadResult, SlotBinding
 from loraplex.lora.pool import AdapterPool, PoolFullError, Residency
 
 __all__ = [
+    "IDLE_STEPS",
     "LOADING",
     "READY",
     "AdapterPlan",
@@ -62,6 +68,10 @@ __all__ = [
 
 Tenant = str | None
 Tier = Literal["device", "host", "disk"]
+
+# An adapter that held a slot within this many steps is in use by its tenant: the load of a
+# tenant over its share of the pool does not evict it (see the invariants).
+IDLE_STEPS = 256
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,7 @@ class _Entry:
     nbytes: int  # its weights at the pool's dtype
     tenant: Tenant = None  # who caused its current residency (pool page accounting)
     served: bool = True  # False from a load's end until it first held a slot
+    last_step: int = -IDLE_STEPS - 1  # the last step it held a slot
 
 
 class AdapterResidency:
@@ -134,6 +145,7 @@ class AdapterResidency:
         self._waiting_pages: set[str] = set()  # adapters in a wait for pages (counted once)
         self._weights: dict[str, float] = {}
         self._drop_host: list[str] = []
+        self._step = 0  # plan_step calls
 
     # ---- registration ----------------------------------------------------------------------
 
@@ -192,6 +204,9 @@ class AdapterResidency:
         """Whether a request on ``key`` may run now. Not ready: the demand is noted, and
         ``plan_step`` starts the load (no side effect here beyond that note)."""
         if self.pool.is_ready(key):
+            entry = self._entries.get(key)
+            if entry is not None and not entry.served:
+                self._wanted.setdefault(key, tenant)  # still wanted: keep it until it serves
             return READY
         why = self._failed.get(key)
         if why is not None:
@@ -208,12 +223,14 @@ class AdapterResidency:
         """The step's adapter work, once admission is done: ``slots`` (slot -> key) are the
         adapters this step's requests use, every one of them ready. Starts loads for the
         adapters wanted this step, evicting only adapters in no slot."""
+        self._step += 1
         in_slot = set(slots.values())
         for key in in_slot:
             self.pool.touch(key)
             entry = self._entries.get(key)
             if entry is not None:
                 entry.served = True
+                entry.last_step = self._step
         plan = AdapterPlan()
         wanted, self._wanted = self._wanted, {}
         for key, tenant in wanted.items():
@@ -259,15 +276,24 @@ class AdapterResidency:
         wanted: Mapping[str, Tenant],
     ) -> LoadOrder | None:
         entry = self._entries[key]
+        order, over, loader_over = self._victim_order(tenant, sum(entry.ranks.values()))
 
         def keep(other: str) -> bool:
             if held(other):
                 return True
             e = self._entries.get(other)
-            return e is not None and not e.served and other in wanted
+            if e is None or e.tenant in over:
+                return False
+            # a fresh adapter still wanted waits to serve once, unless its tenant holds more
+            # than its share of the pool and the load is another tenant's
+            if not e.served and other in wanted:
+                return True
+            # a tenant over its share makes room with its own adapters, not with another
+            # tenant's adapter in use
+            return loader_over and e.tenant != tenant and self._step - e.last_step <= IDLE_STEPS
 
         try:
-            res = self.pool.reserve(key, entry.ranks, keep, order=self._victim_order(tenant))
+            res = self.pool.reserve(key, entry.ranks, keep, order=order)
         except PoolFullError as exc:
             self._fail(key, f"it does not fit the device adapter pool ({exc}); raise --lora-memory")
             return None
@@ -304,10 +330,11 @@ class AdapterResidency:
         size = self.pool.pages_per_module
         return all(r <= size.get(m, 0) - pinned[m] for m, r in ranks.items())
 
-    def _victim_order(self, tenant: Tenant) -> list[str]:
-        """Resident adapters in the order they should make room for ``tenant``'s load: those of
-        other tenants holding more than their weighted share of the pool's pages first, then
-        by least recent use."""
+    def _victim_order(self, tenant: Tenant, need: int) -> tuple[list[str], set[Tenant], bool]:
+        """Resident adapters in the order they should make room for ``tenant``'s load of
+        ``need`` pages: those of other tenants holding more than their weighted share of the
+        pool's pages first, then by least recent use; those other tenants; and whether
+        ``tenant`` would hold more than its share of all the pool's pages with this load."""
         used: Counter[Tenant] = Counter()
         for key in self.pool.resident():
             entry = self._entries.get(key)
@@ -320,7 +347,9 @@ class AdapterResidency:
         over = {t for t in used if t != tenant and used[t] > pages * self._weight(t) / total_w}
         lru = self.pool.resident()
         first = [k for k in lru if (e := self._entries.get(k)) is not None and e.tenant in over]
-        return first + [k for k in lru if k not in set(first)]
+        size = sum(self.pool.pages_per_module.values())
+        loader_over = used[tenant] + need > size * self._weight(tenant) / total_w
+        return first + [k for k in lru if k not in set(first)], over, loader_over
 
     def _weight(self, tenant: Tenant) -> float:
         return 1.0 if tenant is None else self._weights.get(tenant, 1.0)
@@ -397,7 +426,7 @@ class AdapterResidency:
 
     def counts(self) -> dict[str, int]:
         ready = sum(1 for k in self.pool.resident() if self.pool.is_ready(k) and k in self._entries)
-        return {"device": ready, "host": len(self._host), "disk": len(self._entries)}
+        return {"device": ready, "host": len(self._host), "registered": len(self._entries)}
 
     def resident(self) -> list[Residency]:
         return [r for k in self.pool.resident() if (r := self.pool.get(k)) is not None]

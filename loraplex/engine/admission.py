@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from loraplex.config import TENANT_WEIGHT_RANGE
 from loraplex.engine.request import Request
+
+Tenant = str | None
 
 # Steps a skipped adapter request waits before no other adapter request may pass it.
 LORA_STARVATION_STEPS = 16
@@ -122,55 +125,136 @@ class PriorityLine:
         self.cursor = 0
 
 
+@dataclass(frozen=True)
+class TenantSlots:
+    """The LoRA step slots when an admission pass opens, as the scheduler sees them."""
+
+    max_loras: int
+    free: int  # slots no adapter holds
+    held: Mapping[Tenant, int]  # per tenant: adapters holding a slot for its running requests
+
+
 class SlotOrder:
-    """New LoRA slots in admission order: once a pass has passed over an adapter request whose
-    adapter holds no slot (it waits for one, or for its load), later adapter requests of its
-    priority or a worse one whose adapters hold no slot are passed over too, so a cold adapter
-    is not overtaken for the next free slot by adapters that came after it. Requests on
-    adapters that hold a slot still pass (they take no new one). Without ``holds_slot`` (a
-    pass opened by a test alone): no order."""
+    """Who may take a new LoRA slot in an admission pass (the FCFS and priority policies; the
+    fair policy has its own claim). Slots are a tenant resource under every policy:
+
+    * **Arrival order within a tenant.** Once a pass has passed over an adapter request of a
+      tenant whose adapter holds no slot (it waits for one, or for its load), later adapter
+      requests of that tenant, of its priority or a worse one, whose adapters hold no slot are
+      passed over too: a cold adapter is not overtaken for the next free slot by the tenant's
+      adapters that came after it. So are those of every other tenant at or over its share.
+    * **Equal shares between tenants.** With ``n`` tenants holding or waiting for slots, a
+      tenant's share is ``max_loras / n``. A tenant at or over its share takes no new slot
+      while the free slots are no more than the tenants below their share that have a waiting
+      request (of the same or a better priority) needing one: the next free slot goes to them,
+      however long the other tenant's backlog waited. With one tenant, this is plain arrival
+      order.
+
+    Requests on adapters that hold a slot always pass (they take no new one). Without
+    ``holds_slot`` (a pass opened by a test alone): no order."""
 
     def __init__(self) -> None:
         self._holds: Callable[[str], bool] | None = None
-        self._priority: int | None = None  # the best priority passed over this pass
+        self._passed: dict[Tenant, int] = {}  # tenant -> best priority passed over this pass
+        self._share = 0.0  # 0: one tenant (no sharing)
+        self._held: Counter[Tenant] = Counter()
+        self._free = 0
+        self._short: dict[Tenant, int] = {}  # below its share, waiting: tenant -> best priority
+        self._claims: Counter[Tenant] = Counter()  # waiting requests that need a new slot
 
-    def open(self, holds_slot: Callable[[str], bool] | None) -> None:
+    def open(
+        self,
+        holds_slot: Callable[[str], bool] | None,
+        slots: TenantSlots | None = None,
+        waiting: Iterable[Request] = (),
+    ) -> None:
         self._holds = holds_slot
-        self._priority = None
+        self._passed = {}
+        self._short = {}
+        self._share = 0.0
+        if holds_slot is None or slots is None:
+            return
+        claims: dict[Tenant, int] = {}
+        self._claims = Counter()
+        for r in waiting:
+            if self.needs_slot(r):
+                claims[r.tenant] = min(claims.get(r.tenant, r.priority), r.priority)
+                self._claims[r.tenant] += 1
+        tenants = {t for t, n in slots.held.items() if n > 0} | set(claims)
+        if len(tenants) < 2:
+            return
+        self._share = slots.max_loras / len(tenants)
+        self._held = Counter(slots.held)
+        self._free = slots.free
+        self._short = {t: p for t, p in claims.items() if self._held[t] < self._share}
 
-    def _needs_slot(self, req: Request) -> bool:
+    def needs_slot(self, req: Request) -> bool:
         return (
             self._holds is not None and req.lora_key is not None and not self._holds(req.lora_key)
         )
 
+    def below_share(self, tenant: Tenant) -> bool:
+        """Whether ``tenant`` holds fewer slots than its share (False with one tenant)."""
+        return self._share > 0 and self._held[tenant] < self._share
+
     def blocks(self, req: Request) -> bool:
-        return (
-            self._priority is not None and req.priority >= self._priority and self._needs_slot(req)
-        )
+        if not self.needs_slot(req):
+            return False
+        tenant, below = req.tenant, self.below_share(req.tenant)
+        if any(p <= req.priority and (t == tenant or not below) for t, p in self._passed.items()):
+            return True
+        if below or self._share == 0:
+            return False
+        claims = sum(1 for t, p in self._short.items() if t != tenant and p <= req.priority)
+        return claims > 0 and self._free <= claims
 
     def passed(self, req: Request) -> None:
-        if self._needs_slot(req) and (self._priority is None or req.priority < self._priority):
-            self._priority = req.priority
+        if self.needs_slot(req):
+            self._passed[req.tenant] = min(self._passed.get(req.tenant, req.priority), req.priority)
+
+    def took(self, req: Request) -> None:
+        """``req`` is admitted (called before its slot is taken)."""
+        if not self.needs_slot(req):
+            return
+        tenant = req.tenant
+        self._held[tenant] += 1
+        self._free -= 1
+        self._claims[tenant] -= 1
+        if tenant in self._short and (
+            self._held[tenant] >= self._share or self._claims[tenant] <= 0
+        ):
+            del self._short[tenant]
 
 
 class StarvationGuard:
-    """The LoRA starvation bound of the priority-ordered policies: once a waiting request has
-    been passed over ``limit`` times, adapter requests of its priority or a worse one that
-    waited less may not pass it, so the slots drain and it gets one. Requests of a strictly
-    better priority still pass (that is what priority means). Judged once per pass."""
+    """The LoRA starvation bound: once a waiting request has been passed over ``limit`` times,
+    adapter requests that waited less may not pass it, so the slots drain and it gets one:
+    those of its tenant, and those of every other tenant not below its share of the slots
+    (``SlotOrder.below_share``; with one tenant, every request). With ``by_priority``, only
+    requests of its priority or a worse one (a strictly better priority still passes: that is
+    what priority means); without, every one (FCFS). Judged once per pass."""
 
-    def __init__(self, limit: int = LORA_STARVATION_STEPS) -> None:
+    def __init__(self, limit: int = LORA_STARVATION_STEPS, by_priority: bool = True) -> None:
         self.limit = limit
-        self._priority: int | None = None  # the best priority among starving requests
+        self.by_priority = by_priority
+        self._starving: dict[Tenant, int] = {}  # tenant -> best priority among its starving
 
-    def open(self, waiting: Iterator[Request]) -> None:
-        starving = [r.priority for r in waiting if r.lora_wait_steps >= self.limit]
-        self._priority = min(starving) if starving else None
+    def open(self, waiting: Iterable[Request]) -> None:
+        self._starving = {}
+        for r in waiting:
+            if r.lora_wait_steps >= self.limit:
+                p = self._priority(r)
+                self._starving[r.tenant] = min(self._starving.get(r.tenant, p), p)
 
-    def blocks(self, req: Request) -> bool:
-        """Whether ``req`` (an adapter request) may not pass a starving one in this pass."""
-        return (
-            self._priority is not None
-            and req.priority >= self._priority
-            and req.lora_wait_steps < self.limit
+    def _priority(self, req: Request) -> int:
+        return req.priority if self.by_priority else 0
+
+    def blocks(self, req: Request, below_share: bool = False) -> bool:
+        """Whether ``req`` (an adapter request) may not pass a starving one in this pass;
+        ``below_share``: its tenant holds fewer slots than its share."""
+        if req.lora_wait_steps >= self.limit:
+            return False
+        prio = self._priority(req)
+        return any(
+            p <= prio and (t == req.tenant or not below_share) for t, p in self._starving.items()
         )

@@ -34,7 +34,8 @@ and none is free, it *claims* one: until it is admitted, other tenants' adapter 
 priority or a worse one are not admitted (base-model requests still are), so the slots drain as
 their running requests finish, and the claimant goes first within its priority once a slot is
 free. One claim at a time; a cold request of a strictly better priority takes it over. The
-``StarvationGuard`` bound holds as well (for a tenant's own adapters). Slots are fair like
+``StarvationGuard`` bound holds as well (a starving request holds back its own tenant's
+adapter requests and those of tenants not below their share of the slots). Slots are fair like
 seats: when the claimant's tenant holds fewer slots than its weighted share of them, the
 running requests of one adapter of the tenant holding the most slots beyond its share are
 preempted (``slot_victims``), so a light tenant's adapter waits a step or two instead of a
@@ -46,7 +47,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from loraplex.engine.admission import LORA_STARVATION_STEPS, PriorityLine, Service, StarvationGuard
+from loraplex.engine.admission import (
+    LORA_STARVATION_STEPS,
+    PriorityLine,
+    Service,
+    SlotOrder,
+    StarvationGuard,
+    TenantSlots,
+)
 from loraplex.engine.request import Request
 
 Tenant = str | None
@@ -71,6 +79,7 @@ class FairQueue:
         self._running: Counter[Tenant] = Counter()  # running requests per tenant (last step)
         self._floor = 0.0  # the smallest counter of the backlogged tenants, when last any were
         self._guard = StarvationGuard(lora_starvation_steps)
+        self._share = SlotOrder()  # only its view of who is below its share of the slots
         self._claim: Request | None = None  # an adapter request the slots drain for
         # the admission pass: None while no pass is open
         self._lora_ready: Callable[[str], bool] | None = None
@@ -145,12 +154,15 @@ class FairQueue:
         self,
         lora_ready: Callable[[str], bool],
         holds_slot: Callable[[str], bool] | None = None,
+        slots: TenantSlots | None = None,
     ) -> None:
-        """``holds_slot`` is not used: the slot claim orders slots here."""
+        """The slot claim orders slots here; ``slots`` only tells the starvation bound which
+        tenants are below their share (another tenant's starving request does not hold them)."""
         if self._lora_ready is not None:
             raise RuntimeError("an admission pass is already open; call end_admission first")
         self._lora_ready = lora_ready
         self._guard.open(r for line in self._lines.values() for r in line)
+        self._share.open(holds_slot, slots, (r for line in self._lines.values() for r in line))
 
     def peek(self) -> Request | None:
         if self._lora_ready is None:
@@ -217,7 +229,7 @@ class FairQueue:
         claim = self._claim
         if claim is req:
             return True
-        if self._guard.blocks(req):
+        if self._guard.blocks(req, self._share.below_share(req.tenant)):
             return False
         return claim is None or claim.tenant == tenant or req.priority < claim.priority
 

@@ -13,14 +13,16 @@ from loraplex.engine.admission import (
     Service,
     SlotOrder,
     StarvationGuard,
+    TenantSlots,
 )
 from loraplex.engine.request import Request
 
 
 class PriorityQueue:
     """Waiting requests by (priority, arrival). An adapter request without a LoRA slot is passed
-    over and keeps its place; the starvation bound (``StarvationGuard``) keeps a cold adapter
-    from waiting forever behind hot ones of its priority.
+    over and keeps its place; new slots go in arrival order within a tenant and are shared
+    between tenants (``SlotOrder``); the starvation bound (``StarvationGuard``) keeps a cold
+    adapter from waiting forever behind hot ones of its priority.
 
     Victims: when the KV pool runs dry, the running request with the largest priority value,
     the newest among equals; for admission, the running requests of a strictly worse priority
@@ -59,12 +61,13 @@ class PriorityQueue:
         self,
         lora_ready: Callable[[str], bool],
         holds_slot: Callable[[str], bool] | None = None,
+        slots: TenantSlots | None = None,
     ) -> None:
         if self._lora_ready is not None:
             raise RuntimeError("an admission pass is already open; call end_admission first")
         self._lora_ready = lora_ready
         self._guard.open(iter(self._line))
-        self._slots.open(holds_slot)
+        self._slots.open(holds_slot, slots, iter(self._line))
 
     def peek(self) -> Request | None:
         lora_ready = self._lora_ready
@@ -74,7 +77,9 @@ class PriorityQueue:
         while (req := line.current()) is not None:
             key = req.lora_key
             if key is None or (
-                lora_ready(key) and not self._guard.blocks(req) and not self._slots.blocks(req)
+                lora_ready(key)
+                and not self._guard.blocks(req, self._slots.below_share(req.tenant))
+                and not self._slots.blocks(req)
             ):
                 return req
             self._slots.passed(req)
@@ -83,7 +88,9 @@ class PriorityQueue:
         return None
 
     def pop(self) -> Request:
-        return self._line.pop_current()
+        req = self._line.pop_current()
+        self._slots.took(req)
+        return req
 
     def end_admission(self) -> None:
         self._line.reset()

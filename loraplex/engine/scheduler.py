@@ -59,7 +59,7 @@ from typing import Protocol
 
 from loraplex.config import SchedulerConfig
 from loraplex.engine.adapter_residency import AdapterResidency, Failed, Ready, Tenant
-from loraplex.engine.admission import Service, check_tenant_weights
+from loraplex.engine.admission import Service, TenantSlots, check_tenant_weights
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.lora_slots import LoRASlots
 from loraplex.engine.records import (
@@ -312,7 +312,7 @@ class Scheduler:
         and the KV pool allow; returns the budget left. A request that does not fit keeps its
         place and ends the pass (and may have victims marked for it: ``_mark_victims``)."""
         waiting = self.waiting
-        waiting.begin_admission(self._lora_ready, self.slots.holds)
+        waiting.begin_admission(self._lora_ready, self.slots.holds, self._tenant_slots())
         try:
             while budget > 0:
                 if len(self.running) >= self.config.max_num_seqs:
@@ -343,6 +343,18 @@ class Scheduler:
         if self._failed_keys:
             self._fail_adapter_requests()
         return budget
+
+    def _tenant_slots(self) -> TenantSlots:
+        held: dict[Tenant, set[str]] = {}
+        for r in self.running:
+            if r.lora_key is not None:
+                held.setdefault(r.tenant, set()).add(r.lora_key)
+        in_use = len(self.slots.in_use())
+        return TenantSlots(
+            self.slots.max_loras,
+            self.slots.max_loras - in_use,
+            {t: len(keys) for t, keys in held.items()},
+        )
 
     def _lora_ready(self, key: str) -> bool:
         """A request on adapter ``key`` may be admitted: its weights ready in the pool and a

