@@ -1,12 +1,12 @@
 """``--metrics-port``: ``GET /metrics`` without credentials on a port of its own, for the scrapers
-of the Kubernetes inference stack (an endpoint picker scrapes every pod every 50 ms and sends no
-token; a NetworkPolicy fences the port). The main port keeps its token.
+of the Kubernetes inference stack (an endpoint picker scrapes every pod 20 times a second and
+sends no token; a NetworkPolicy fences the port). The main port keeps its token.
 
 A scrape never reaches the engine: it answers with the latest ``MetricsSnapshot``, the exposition
 text of the protocol's ``vllm:`` families, which the server takes every ``interval_s`` (one engine
-round trip per snapshot, however many scrapers). The endpoint pickers call data older than 2 s stale, so the
-interval stays well under that. Anything but ``GET``/``HEAD /metrics`` is 404 (405 for another
-method): the port serves nothing else.
+round trip per snapshot, however many scrapers). The endpoint pickers call data older than two seconds
+stale, so the interval stays well under that. Anything but ``GET``/``HEAD /metrics`` is 404 (405 for another
+method; ``metrics_http.py``): the port serves nothing else.
 
 Only the ``vllm:`` families (``vllm_metrics``; in gateway mode ``lora_requests_info`` names
 adapters as ``tenant/name``, as documented): whoever reaches the port reads it, and the
@@ -19,21 +19,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from loraplex.platform.metrics import PlatformMetrics
 
 logger = logging.getLogger(__name__)
 
 SNAPSHOT_INTERVAL_S = 0.5
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 
 class MetricsSnapshot:
@@ -69,30 +62,3 @@ class MetricsSnapshot:
             except Exception:  # the scrapers keep the last text; the next round tries again
                 logger.exception("metrics: the snapshot for --metrics-port failed")
             await asyncio.sleep(max(self.interval_s - (time.monotonic() - started), 0.0))
-
-
-def metrics_app(snapshot: MetricsSnapshot) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
-    """The metrics port's ASGI app: the snapshot at ``/metrics``, nothing else."""
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        if scope["type"] != "http":
-            return
-        method = scope["method"]
-        if scope["path"] != "/metrics":
-            status, body, ctype = 404, b"This port serves GET /metrics only.\n", "text/plain"
-        elif method not in ("GET", "HEAD"):
-            status, body, ctype = 405, b"Use GET /metrics.\n", "text/plain"
-        else:
-            status, body, ctype = 200, snapshot.text, CONTENT_TYPE_LATEST
-        headers = [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())]
-        if status == 405:
-            headers.append((b"allow", b"GET, HEAD"))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": b"" if method == "HEAD" else body})
-
-    return app

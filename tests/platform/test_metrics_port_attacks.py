@@ -5,6 +5,7 @@ and whose values are each tenant's traffic."""
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import httpx
@@ -12,7 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.engine.info import NO_TENANT, TenantStats
-from loraplex.platform.metrics_port import MetricsSnapshot, metrics_app
+from loraplex.platform.metrics_http import MetricsServer
+from loraplex.platform.metrics_port import MetricsSnapshot
 from tests.utils.tenancy import bearer
 
 pytestmark = pytest.mark.anyio
@@ -34,9 +36,17 @@ async def test_metrics_port_serves_only_the_protocols_families(tenancy: Any) -> 
     metrics = env.app.platform.metrics
     snapshot = MetricsSnapshot(metrics)
     await snapshot.refresh()
-    transport = httpx.ASGITransport(app=metrics_app(snapshot))
-    async with httpx.AsyncClient(transport=transport, base_url="http://metrics") as outsider:
-        r = await outsider.get("/metrics")  # no credentials
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    sock.setblocking(False)
+    server = await MetricsServer.start(lambda: snapshot.text, sock)
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        async with httpx.AsyncClient(base_url=base) as outsider:
+            r = await outsider.get("/metrics")  # no credentials
+    finally:
+        await server.stop()
     assert r.status_code == 200
     families = {f.name: f for f in text_string_to_metric_families(r.text)}
     assert "vllm:num_requests_running" in families and "vllm:kv_cache_usage_perc" in families
