@@ -23,7 +23,7 @@ AttentionBackendName = Literal["auto", "torch", "native", "triton"]  # engine/at
 PRIORITY_RANGE = (-1000, 1000)
 # A tenant's share weight under the fair policy (1 = an equal share), both ends included: a
 # request's charge is divided by its weight, so the bounds keep every fair counter finite and
-# within 100x of an equal share's (a weight of 5e-324 made a counter +inf, for good).
+# within a factor of 100 of an equal share's (a weight of 5e-324 made a counter +inf, for good).
 TENANT_WEIGHT_RANGE = (0.01, 100.0)
 
 
@@ -110,9 +110,11 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64  # requests in one step
     # tokens in one step (prefill chunks + decodes). 1024: on 2 CPU cores the 64-request workload
-    # ran 5% faster than with 512 (prefill GEMMs of 1024 rows reach more of the sgemm peak, and
-    # fewer steps); 2048 gave only 1.3% more, with prefill steps (which the decodes beside them
-    # wait for) twice as long again. vLLM's own CPU defaults are 4096 (LLM) and 2048 (server).
+    # ran faster than with 512 (prefill GEMMs of 1024 rows reach more of the sgemm peak, and
+    # fewer steps); 2048 gave little more, with prefill steps (which the decodes beside them
+    # wait for) twice as long again (``loraplex bench throughput --skip-hf
+    # --max-num-batched-tokens N`` for N in 512, 1024, 2048). vLLM's own CPU defaults are 4096
+    # (LLM) and 2048 (server).
     max_num_batched_tokens: int = 1024
     scheduling_policy: SchedulingPolicy = "fcfs"  # engine/waiting_queue.py
     # "fair": the service a tenant is charged per prompt token computed and per token generated

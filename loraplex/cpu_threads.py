@@ -6,8 +6,8 @@ parallel region GNU OpenMP spins its idle threads for ``GOMP_SPINCOUNT`` iterati
 default, about a millisecond here) before they sleep. That is free on an idle machine and a
 disaster on a busy one: with another runnable process on the core, the spinning thread burns the
 time slice its partner needs, and a decode step (hundreds of parallel regions) runs many times
-slower (measured here under a load of 6 on 2 cores: one multi-LoRA layer 18 ms with the default,
-0.2 ms with a spin count of 1,000).
+slower (``python -m benchmarks.contention --busy 0,1 --spincounts default,1000,10000``, from the
+repository, measures it).
 
 ``configure_openmp()`` sets a bounded spin count before torch is imported (the runtime reads it
 once, at load), unless the user set ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` themselves;
@@ -25,8 +25,9 @@ from pathlib import Path
 
 SPIN_ENV = "LORAPLEX_OMP_SPINCOUNT"
 # Iterations an idle OpenMP thread spins before it sleeps (GNU OpenMP's GOMP_SPINCOUNT). Chosen
-# by `loraplex bench contention` (README): short enough that a descheduled partner costs little,
-# long enough that back-to-back parallel regions of a quiet decode step do not sleep and wake.
+# by ``python -m benchmarks.contention`` (docs/benchmarks.md): short enough that a descheduled
+# partner costs little, long enough that back-to-back parallel regions of a quiet decode step do
+# not sleep and wake.
 DEFAULT_SPINCOUNT = 10_000
 
 

@@ -25,7 +25,7 @@ LATENCY_FAMILIES = (
     "loraplex_time_to_first_token_seconds",  # the API server's: arrival to first token
     "loraplex_request_queue_time_seconds",  # the engine's waiting queue
 )
-STARTUP_TIMEOUT_S = 300.0  # the first start converts the embedded model (~45 s) and builds kernels
+STARTUP_TIMEOUT_S = 300.0  # the first start also converts the embedded model and builds kernels
 
 
 def free_port() -> int:

@@ -46,10 +46,10 @@ from loraplex.bench.common import (
     workload_json,
 )
 from loraplex.bench.flops import ModelShape
-from loraplex.bench.multi_lora import check_lengths, run_order
+from loraplex.bench.multi_lora import run_order
 from loraplex.bench.pool_sizing import pool_plan, value_bytes
 from loraplex.bench.report import write_json
-from loraplex.bench.systems import RunResult, flat_stats
+from loraplex.bench.systems import RunResult, check_lengths, flat_stats
 from loraplex.bench.workload import encode, make_workload
 from loraplex.config import MAX_LORAS
 
@@ -269,7 +269,7 @@ def _measure_n(
         )
         # One untimed run of the timed workload itself: an engine's first full-size run pays
         # one-time costs (KV-cache pages faulted in, allocator growth) that would otherwise land
-        # on whichever system runs first (it measured 5-15% slower than the later repeats).
+        # on whichever system runs first (it measured slower than the later repeats).
         llm.generate(
             [list(p) for p in prompts], greedy_params(lens), lora_request=loras, use_tqdm=False
         )

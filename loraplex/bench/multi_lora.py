@@ -52,7 +52,14 @@ from loraplex.bench.peft_baselines import (
     select_batches,
     static_plan,
 )
-from loraplex.bench.systems import ADAPTER_SYSTEMS, RunResult, System, flat_stats, greedy_agreement
+from loraplex.bench.systems import (
+    ADAPTER_SYSTEMS,
+    RunResult,
+    System,
+    check_lengths,
+    flat_stats,
+    greedy_agreement,
+)
 from loraplex.bench.workload import encode, make_workload
 from loraplex.config import MAX_LORAS
 
@@ -300,17 +307,6 @@ def _greedy(lens: list[int]) -> list[Any]:
     from loraplex.bench.systems import greedy_params
 
     return greedy_params(lens)
-
-
-def check_lengths(run: RunResult, lens: Sequence[int]) -> str | None:
-    idx = run.indices or range(run.num_requests)
-    expected = sum(lens[i] for i in idx)
-    if run.output_tokens == expected:
-        return None
-    return (
-        f"{run.system} repeat {run.repeat + 1} produced {run.output_tokens} output tokens, "
-        f"expected {expected} (fixed lengths, EOS ignored): the comparison is not like for like"
-    )
 
 
 def summarize(

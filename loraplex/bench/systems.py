@@ -285,6 +285,17 @@ def generate_padded(
     return [[int(t) for t in row] for row in out[:, width:]]
 
 
+def check_lengths(run: RunResult, lens: Sequence[int]) -> str | None:
+    idx = run.indices or range(run.num_requests)
+    expected = sum(lens[i] for i in idx)
+    if run.output_tokens == expected:
+        return None
+    return (
+        f"{run.system} repeat {run.repeat + 1} produced {run.output_tokens} output tokens, "
+        f"expected {expected} (fixed lengths, EOS ignored): the comparison is not like for like"
+    )
+
+
 def greedy_agreement(a: Sequence[list[int]], b: Sequence[list[int]]) -> dict[str, float]:
     """How alike two systems' greedy outputs are: identical requests and matching prefix share."""
     pairs = list(zip(a, b, strict=False))  # a subset run compares its prefix

@@ -29,7 +29,7 @@ from loraplex.bench.common import (
     workload_json,
 )
 from loraplex.bench.flops import ModelShape, workload_flops
-from loraplex.bench.systems import RunResult
+from loraplex.bench.systems import RunResult, check_lengths
 from loraplex.bench.workload import encode, make_workload
 
 
@@ -110,7 +110,7 @@ def run_throughput(opts: ThroughputOptions, log: Log | None = None) -> dict[str,
                 f"repeat {r + 1}/{opts.repeats} {system:8s}: {run.num_requests} requests, "
                 f"{run.output_tokens} tokens in {run.seconds:.2f} s = {run.tokens_per_s:.1f} tok/s"
             )
-            problem = _check_lengths(run, lens)
+            problem = check_lengths(run, lens)
             if problem:
                 say(f"warning: {problem}")
                 warnings.append(problem)
@@ -184,16 +184,6 @@ def run_throughput(opts: ThroughputOptions, log: Log | None = None) -> dict[str,
     print(f"plot: {plot_note}" if plot_note else f"plot: {out_dir / f'{stem}.png'}")
     print(f"reproduce: {opts.command_line()}")
     return result
-
-
-def _check_lengths(run: RunResult, lens: list[int]) -> str | None:
-    expected = sum(lens[: run.num_requests])
-    if run.output_tokens == expected:
-        return None
-    return (
-        f"{run.system} repeat {run.repeat + 1} produced {run.output_tokens} output tokens, "
-        f"expected {expected} (fixed lengths, EOS ignored): the comparison is not like for like"
-    )
 
 
 def _summarize(

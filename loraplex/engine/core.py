@@ -402,7 +402,7 @@ class EngineCore:
             adapter_bytes=residency.adapter_bytes(),
             resident_device=counts["device"],
             resident_host=counts["host"],
-            registered=counts["disk"],
+            registered=counts["registered"],
             residency=residency.tiers(),
             failed=residency.failed(),
         )

@@ -17,7 +17,7 @@ once, and falls back to the least-loaded replica:
    starve the requests of other adapters).
 
 ``round_robin`` cycles over the healthy replicas, blind to adapters and prefixes (the
-comparison point of ``loraplex bench replicas``).
+comparison point of ``python -m benchmarks.replicas``).
 
 Prefix identity: ``prefix_chain`` hashes the prompt's first full KV blocks (up to
 ``MAX_PREFIX_BLOCKS``) chained like the engine's prefix cache, with the adapter's key and the

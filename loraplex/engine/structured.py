@@ -53,13 +53,13 @@ COMPILE_THREADS = 2  # one tenant's slow schema holds one; the other serves the 
 IDLE_WAIT = 0.05  # seconds a step with nothing to run waits for a compile to finish
 # Mask work as tenant work (fill_masks): a step whose masks took longer than this is followed
 # by steps that time each row; a row over MASK_ROW_LIMIT_S for MASK_STRIKES steps in a row ends
-# its request. Honest constraints take well under a millisecond a row (loraplex bench
-# structured); the bound is about a decode step's whole budget on two cores.
+# its request. Honest constraints take a small fraction of that a row (python -m
+# benchmarks.structured); the bound is about a decode step's whole budget on two cores.
 CHEAP_MASKS_S = 0.005
 MASK_ROW_LIMIT_S = 0.02
 MASK_STRIKES = 3
-# The fair policy charges a second of mask work as this many tokens of service (a decode row
-# of SmolLM2 at batch 32 costs about 3 ms of a step on two cores).
+# The fair policy charges a second of mask work as this many tokens of service: about what a
+# decode row of SmolLM2 at batch 32 costs of a step on two cores (loraplex bench throughput).
 MASK_TOKENS_PER_SECOND = 500.0
 
 

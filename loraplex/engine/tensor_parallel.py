@@ -19,8 +19,8 @@ after ``COLLECTIVE_TIMEOUT_S`` rather than hang.
 
 Why a pipe for the step's inputs rather than a gloo broadcast: an idle engine's workers wait on
 the pipe with no timeout (a collective would time out), and it is cheaper: pickled once and
-written to each worker, a step of 8 decodes took 58 us, 64 decodes 0.5 ms, against 2.2 and
-4.1 ms for gloo's ``broadcast_object_list`` (two broadcasts) on this 2-core machine.
+written to each worker, several times cheaper than gloo's ``broadcast_object_list`` (two
+broadcasts; ``python -m benchmarks.tp_control_pipe``, figures in docs/benchmarks.md).
 """
 
 from __future__ import annotations

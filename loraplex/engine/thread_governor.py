@@ -1,9 +1,9 @@
 """Fewer compute threads while a neighbour holds the CPUs, all of them again when it leaves.
 
-Measured (``loraplex bench contention``, 2 cores, one busy neighbour): the engine's two OpenMP
-threads then share one core's worth of time, and every parallel region waits for the thread that
-is descheduled; batch-1 decode fell from 33 to 9 tokens/s, worse than one thread alone would do
-on the core it gets. The governor watches how much CPU the engine's steps really get: the
+With one busy neighbour on 2 cores (``python -m benchmarks.contention``), the engine's two
+OpenMP threads share one core's worth of time, and every parallel region waits for the thread
+that is descheduled: batch-1 decode falls well below what one thread alone does on the core it
+gets (figures in docs/benchmarks.md). The governor watches how much CPU the engine's steps really get: the
 process CPU time over the wall time of each step, summed over a window of steps. When ``n``
 threads get less than ``DROP_BELOW`` of ``n`` cores, it drops to one thread; at one thread it
 tries ``n`` again every ``PROBE_EVERY_S`` seconds for one window and keeps them only if they then

@@ -1,6 +1,6 @@
 """The llguidance backend: constraints -> llguidance grammars -> ``LLMatcher``s.
 
-Chosen over xgrammar by measurement on the project's CPU machine (``scripts/structured_backends.py``):
+Chosen over xgrammar by measurement on the project's CPU machine (``benchmarks/structured_backends.py``):
 it compiles the schemas we serve faster, computes a mask in tens of microseconds, has no torch
 dependency (an abi3 wheel), and refuses what it cannot enforce with a message naming the keyword.
 
@@ -77,8 +77,8 @@ _WHAT = {
 def llg_tokenizer(
     tokenizer: Any, vocab_size: int | None = None, eos_token_ids: Sequence[int] | None = None
 ) -> llg.LLTokenizer:
-    """llguidance's view of a Hugging Face fast tokenizer (about 0.5 s for a 50k vocabulary:
-    build it once). ``vocab_size``: the model's (rows of the logits; ids beyond the tokenizer's
+    """llguidance's view of a Hugging Face fast tokenizer (it walks the whole vocabulary: build
+    it once). ``vocab_size``: the model's (rows of the logits; ids beyond the tokenizer's
     are never allowed); ``eos_token_ids``: what ends a generation (default: the tokenizer's)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "to_str"):

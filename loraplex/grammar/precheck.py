@@ -28,7 +28,9 @@ from loraplex.sampling_params import StructuredOutputsParams
 
 MAX_REPEAT = 10_000  # a counted repetition, or nested counts multiplied together
 MAX_NESTED_RANGE = 1_000  # nested counts multiplied, when an inner one is a range
-MAX_PATTERNS_AT_ONCE = 8  # regexes one string must match together (16: 0.7 s, 20: > 30 s)
+# Regexes one string must match together: llguidance's check of their intersection grows
+# exponentially with their count (schema_check.py; figures in docs/benchmarks.md).
+MAX_PATTERNS_AT_ONCE = 8
 # in a grammar's %json: lenient ignores the keywords the server refuses as unenforceable (a
 # grammar's own whitespace is its author's to choose: its Lark can allow any)
 _REFUSED_GUIDANCE = ("lenient",)

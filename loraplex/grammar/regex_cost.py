@@ -2,8 +2,8 @@
 
 llguidance builds a counted repetition ``x{n}`` as ``n`` copies, so the work and memory of a
 regex grow with its counts, and nested counts multiply: ``((a{100}){100}){100}`` is a million
-copies (its first mask took 1.1 s and 155 MB, and the second step failed for every later
-request of it). Nested counts over variable-length parts blow up sooner: ``([a-z]{1,50}){1,50}``
+copies (its first mask stalled the step and took 155 MB, and the second step failed for every
+later request of it). Nested counts over variable-length parts blow up sooner: ``([a-z]{1,50}){1,50}``
 fails after 16 tokens with llguidance's own limits. ``regex_cost`` finds the largest single count
 and the largest product of nested counts (with the text of the part that makes it) so that
 ``precheck`` can refuse them by name.

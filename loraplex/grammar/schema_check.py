@@ -3,8 +3,8 @@ that llguidance answers too late or too dearly:
 
 * **the patterns one string must match at once** (``pattern``, ``format`` and those of its
   ``allOf`` members, through ``$ref``): llguidance intersects them and checks the intersection
-  for emptiness with no limit it honours (16 ``.*x.*`` patterns: 0.7 s; 20: more than 30 s and
-  2.5 GB; 40: 13 GB and growing);
+  for emptiness with no limit it honours (time and memory grow exponentially with the count of
+  ``.*x.*`` patterns: 20 already take gigabytes; figures in docs/benchmarks.md);
 * **subschemas no finite value satisfies**: a ``$ref`` cycle with nothing between its steps
   (``{"$ref": "#/$defs/a"}`` in ``a``), or a required property that needs its own object again.
   llguidance compiles them and fails at the first token with its parser state for a message.

@@ -2,10 +2,10 @@
 
 A decode step streams every packed weight once and gathers KV blocks across the cache. With
 4 KiB pages that is one TLB miss per 4 KiB, and inside a virtual machine each miss walks two
-sets of page tables. Backed by huge pages, on a 2-core Intel Xeon VM, one thread read a 512 MB
-buffer at 15.5 GB/s instead of 12.2 (two threads 30.5 instead of 23.5), and the packed decode
-GEMM over SmolLM2's linears and head took 22.9 ms instead of 25.3 at 1 row (4% less at 28 rows,
-3% at 64; medians of 9 alternating runs in one process).
+sets of page tables. Backed by huge pages, a thread reads a large buffer faster and the packed
+decode GEMM over SmolLM2's linears and head takes less time, most at 1 row (``python -m
+benchmarks.gemm --rows 1,28,64`` with and without ``LORAPLEX_HUGE_PAGES``; the figures measured
+on an Intel Xeon VM are in docs/benchmarks.md).
 
 Linux gives anonymous memory huge pages when transparent huge pages are ``always`` or, as on
 most distributions, ``madvise`` and the range is advised ``MADV_HUGEPAGE``. torch's allocator

@@ -52,16 +52,18 @@ LoRABackend = Literal["torch", "triton", "native"]
 BACKEND_ENV = "LORAPLEX_LORA_BACKEND"
 
 # The per-segment loop costs 2 matmul calls per segment, the padded path 5 calls per group and
-# some padded rows. Measured on 2 CPU threads with 8 decode segments (SmolLM2 shapes, rank 8) the
-# padded path is 5-20% faster (the loop wins by ~25% on 1 thread); with 1-2 segments (a prefill
-# chunk, one adapter) the loop wins: it multiplies in place, at each slice's exact width.
+# some padded rows. With 8 decode segments (SmolLM2 shapes, rank 8, 2 threads) the padded path
+# is faster (on 1 thread the loop); with 1-2 segments (a prefill chunk, one adapter) the loop
+# wins: it multiplies in place, at each slice's exact width. Measured with
+# ``LORAPLEX_LORA_BACKEND=torch loraplex bench throughput --num-adapters 8 --skip-hf``.
 LOOP_MAX_SEGMENTS = 2
 # A block-diagonal B computes every slice's columns against every slice's rank rows: (S - 1) / S
 # of its multiply-adds are zeros. That is cheaper than S - 1 more matmul calls only while the
 # segment is short and the rank small (decode); prefill chunks and large ranks go slice by slice.
 FUSE_MAX_ROWS = 64
 FUSE_MAX_RANK = 16
-# The native kernel's rank limit: above it the torch path's GEMMs are faster (rank 64: 1.5x)...
+# The native kernel's rank limit: above it the torch path's GEMMs are faster (``loraplex bench
+# throughput --num-adapters 8 --adapter-rank 64 --skip-hf``, LORAPLEX_LORA_BACKEND=torch/native)...
 NATIVE_MAX_RANK = 16
 # ... unless padding every slot of a step to its largest rank wastes more than that: the torch
 # path's padded rank-rows over the native kernel's own-rank rows, above which native runs anyway.
@@ -339,12 +341,14 @@ def fused_linear_lora(
 
 
 def _native_pays(weights: LoRALayerWeights, meta: LoRAKernelMeta) -> bool:
-    """Whether the native kernel beats the torch path on this step (measured, 2 CPU threads).
+    """Whether the native kernel beats the torch path on this step (measured on 2 CPU threads
+    with ``loraplex bench throughput --num-adapters 8 --skip-hf`` under each
+    ``LORAPLEX_LORA_BACKEND``).
 
     At ranks up to ``NATIVE_MAX_RANK`` the native kernel wins outright, for any segments: on
     SmolLM2's shapes at rank 8 it matches the torch path's in-place GEMM on one 512-row prefill
-    segment and is 1.5-4x faster on decode-sized ones (1-16 rows), where the torch path's ~15 ops
-    per call cost more than the arithmetic. Above it the torch GEMMs are about 1.5x faster at equal
+    segment and is several times faster on decode-sized ones (1-16 rows), where the torch path's
+    ~15 ops per call cost more than the arithmetic. Above it the torch GEMMs are faster at equal
     work: the per-segment loop (at most ``LOOP_MAX_SEGMENTS`` runs of rows) keeps such steps, and
     with more segments, where the torch path pads every slot of a group to the group's largest
     rank, the native kernel takes the step only when padding would cost more than that

@@ -14,8 +14,9 @@ x rounded to bf16 on the fly) and :func:`linear` dispatches on the packed copy's
 call computes ``F.linear(x.bfloat16().float(), w.bfloat16().float(), bias)`` up to summation
 order. The LoRA-fused call (:func:`linear_lora`) stays fp32-only. AMX-BF16 is not built yet.
 
-``bench``: ``loraplex bench gemm`` times this kernel against ``F.linear`` per row count on the
-embedded model's shapes; ``python -m loraplex.cli bench throughput`` compares the whole engine
+``bench``: ``python -m benchmarks.gemm`` (from the repository) times this kernel against
+``F.linear`` per row count on the embedded model's shapes; ``loraplex bench throughput`` compares
+the whole engine
 with Hugging Face; ``tests/kernels/test_packed_gemm.py`` compares this kernel with torch.
 """
 
@@ -31,20 +32,19 @@ import torch.nn.functional as F
 from loraplex.kernels import host_memory, native
 
 # Rows up to which the packed kernel takes a call, by the build's panel width (None: any), as
-# measured with ``loraplex bench gemm`` (both on 2 threads, weights warm):
-# - AVX-512 (32 columns), a 2-core Intel Xeon: 1.2-2x MKL at 8-64 rows, about even at 128, so
-#   prefill chunks went to the BLAS there.
-# - AVX2 (16 columns), a 2-core AMD EPYC (Zen 2): ahead of MKL at every row count, 154/158/154/
-#   160/157 GFLOP/s against 100/116/130/144/146 at 64/128/256/1024/2048 rows (medians of 5
-#   pairs); prefill through the packed kernel made the whole base workload 1.027x (299 -> 307
-#   tok/s, median of 5 alternating pairs in one engine, same tokens).
+# measured with ``python -m benchmarks.gemm --rows 8,16,32,64,128,256,1024,2048`` (2 threads,
+# weights warm; the figures are in docs/benchmarks.md):
+# - AVX-512 (32 columns), an Intel Xeon: ahead of MKL at 8-64 rows, about even at 128, so
+#   prefill chunks go to the BLAS there.
+# - AVX2 (16 columns), AMD EPYC (Zen 2): ahead of MKL at every row count, and prefill through
+#   the packed kernel made the whole base workload faster (``loraplex bench throughput``).
 # Other widths keep the decode-sized cap.
 _MAX_ROWS_BY_PANEL_WIDTH: dict[int, int | None] = {32: 128, 16: None}
 _DEFAULT_MAX_ROWS = 128
 
-# Rows up to which bf16 panels take a call (None: any), as measured with ``loraplex bench gemm
-# --rows 1,4,16,64,128,256,512,1024,2048,4096`` (2 threads, weights warm) on a 2-core AMD EPYC
-# Zen 4: the bf16 kernel is ahead of fp32 F.linear at every row count, and of torch's own bf16
+# Rows up to which bf16 panels take a call (None: any), as measured with ``python -m
+# benchmarks.gemm --rows 1,4,16,64,128,256,512,1024,2048,4096`` (2 threads, weights warm) on AMD
+# EPYC Zen 4: the bf16 kernel is ahead of fp32 F.linear at every row count, and of torch's own bf16
 # GEMM (oneDNN, on x and W already in bf16) up to a few hundred rows, about even past that. A
 # cap would only pay with a second (bf16) copy of every weight for F.linear, so there is none.
 _BF16_MAX_ROWS: int | None = None
@@ -161,7 +161,8 @@ def linear_any_rows(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The packed kernel's ``linear`` at any number of rows, past :func:`max_rows` too (what
-    ``loraplex bench gemm`` measures; either dtype), or None where its layout does not apply."""
+    ``python -m benchmarks.gemm`` measures; either dtype), or None where its layout does not
+    apply."""
     return _packed_call(x, weight, packed, bias, None)
 
 

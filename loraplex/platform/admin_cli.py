@@ -308,6 +308,8 @@ def _tenant_create(
         )
     )  # fmt: skip
     print(f"created tenant {tenant.name} ({_quota_text(tenant)})", file=out)
+    if tenant.weight != tenants.Scheduling().weight:
+        _weight_note(err)
     print(f"loraplex: next: loraplex admin key create {tenant.name}", file=err)
 
 
@@ -334,8 +336,21 @@ def _tenant_update(
     verb = "updated" if changed else "unchanged:"
     print(f"{verb} tenant {tenant.name} ({_quota_text(tenant)})", file=out)
     if args.weight is not None and changed:
-        print("loraplex: a running server applies the new weight within "
-              f"{tenants.WEIGHT_REFRESH_S:g} s", file=err)  # fmt: skip
+        _weight_note(err)
+
+
+def _weight_note(err: Any) -> None:
+    """When a weight set here reaches the engine: this command only writes the database, which
+    each running server re-reads every WEIGHT_REFRESH_S (``TenantService.refresh_weights_forever``)
+    and hands to its engine for its next step; the admin API also pushes a change to its own
+    server's engine at once (other replicas get it from the database)."""
+    print(
+        f"loraplex: running servers pick the new weight up within {tenants.WEIGHT_REFRESH_S:g} s "
+        "(each re-reads the database that often; the admin API and console also push a change "
+        "to their own server at once); only the fair scheduling policy, the default with "
+        "tenants, uses it",
+        file=err,
+    )
 
 
 def _limit(value: int | None) -> str:

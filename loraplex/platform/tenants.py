@@ -173,6 +173,19 @@ def list_tenants(
     return list(rows), int(total)
 
 
+def check_new_tenant_name(session: Session, name: str) -> str:
+    """``name`` when a new tenant may take it: well formed (400) and not taken (409)."""
+    check_tenant_name(name)
+    if get_tenant(session, name) is not None:
+        raise APIError(
+            409,
+            f"A tenant named {name!r} already exists; choose another name.",
+            param="name",
+            code="tenant_exists",
+        )
+    return name
+
+
 def create_tenant(
     session: Session,
     actor: str,
@@ -182,14 +195,7 @@ def create_tenant(
     quotas: Quotas = Quotas(),
     scheduling: Scheduling = Scheduling(),
 ) -> Tenant:
-    check_tenant_name(name)
-    if get_tenant(session, name) is not None:
-        raise APIError(
-            409,
-            f"A tenant named {name!r} already exists; choose another name.",
-            param="name",
-            code="tenant_exists",
-        )
+    check_new_tenant_name(session, name)
     tenant = Tenant(
         name=name,
         display_name=display_name[:200],

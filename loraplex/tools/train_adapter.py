@@ -74,7 +74,7 @@ class TrainConfig:
     rank: int = 8
     alpha: int = 16
     # torch threads while training (None: torch's default). On an oversubscribed machine one
-    # thread can be 10x faster than two: OpenMP workers spin-wait for a core.
+    # thread can be many times faster than two: OpenMP workers spin-wait for a core.
     threads: int | None = None
     target_modules: tuple[str, ...] = tuple(TARGET_MODULES)
     # float16 halves the file (the demo adapters ship in the repository); the engine loads

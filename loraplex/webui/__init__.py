@@ -10,6 +10,7 @@ page is one module plus one line here.
 from __future__ import annotations
 
 import inspect
+import logging
 from types import ModuleType
 from typing import Any
 
@@ -39,6 +40,7 @@ from loraplex.webui import (
 )
 from loraplex.webui.context import (
     STATIC_DIR,
+    Admin,
     LoginRequired,
     NavItem,
     Refused,
@@ -69,6 +71,8 @@ __all__ = [
     "build_webui",
     "load_webui_settings",
 ]
+
+logger = logging.getLogger(__name__)
 
 PAGES: tuple[ModuleType, ...] = (
     overview,
@@ -198,10 +202,18 @@ async def _login_required(request: Request, exc: Exception) -> Response:
 
 
 async def _refused(request: Request, exc: Exception) -> Response:
+    """The error page, with the navigation when an operator is signed in (a 404 is not the
+    end of the road) and without it otherwise."""
     assert isinstance(exc, Refused)
+    try:
+        session = await context.current_session(request)
+    except Exception:  # the session store is down: the page still says what went wrong
+        logger.exception("reading the session for an error page failed")
+        session = None
     return render(
         request,
         "error.html",
+        admin=Admin(session) if session is not None else None,
         status=exc.status,
         headers=exc.headers,
         title=exc.title,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Annotated, Any
 from urllib.parse import urlencode
 
@@ -59,6 +60,7 @@ from loraplex.webui.context import (
     require_writer,
     webui_of,
 )
+from loraplex.webui.tenant_picker import tenant_picker
 from loraplex.webui.views import (
     WEB_ACTOR,
     FormErrors,
@@ -274,15 +276,16 @@ async def adapter_list(request: Request, admin: SignedIn) -> Response:
 # ---- upload -----------------------------------------------------------------------------------
 
 
-def _upload_page(
+async def _upload_page(
     request: Request,
     admin: Admin,
     values: dict[str, str],
-    tenants: list[str],
     errors: FormErrors | None = None,
     status: int = 200,
 ) -> Response:
     registry = _registry(request)
+    may_act = not admin.session.read_only
+    tenants = await webui_of(request).store.db.run(partial(tenant_picker, may_act=may_act))
     return render(
         request,
         "adapters_upload.html",
@@ -301,9 +304,8 @@ def _upload_page(
 @router.get(UPLOAD)
 async def upload_form(request: Request, admin: SignedIn) -> Response:
     tenant = request.query_params.get("tenant", "").strip()[:64]
-    tenants = await webui_of(request).store.db.run(tenant_choices)
     values = {"tenant": tenant, "name": "", "description": ""}
-    return _upload_page(request, admin, values, tenants)
+    return await _upload_page(request, admin, values)
 
 
 class _LeadingFields:
@@ -455,16 +457,15 @@ async def upload(
             if tenant is None:
                 raise APIError(
                     404,
-                    f"There is no tenant named {values['tenant'][:64]!r}; pick one of the "
-                    "suggestions, or create the tenant first.",
+                    f"There is no tenant named {values['tenant'][:64]!r}; pick one from the "
+                    "list, or create the tenant first.",
                     param="tenant",
                 )
             view = await registry.upload(tenant.id, WEB_ACTOR, received, work_dir)
     except APIError as exc:
         errors = FormErrors()
         errors[exc.param if exc.param in UPLOAD_FIELDS else "file"] = exc.message
-        tenants = await store.db.run(tenant_choices)
-        return _upload_page(request, admin, values, tenants, errors, status=exc.status)
+        return await _upload_page(request, admin, values, errors, status=exc.status)
     finally:
         registry.storage.discard(work_dir)
     version = view.versions[-1]  # the upload's number is the adapter's highest

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 from urllib.parse import urlencode
 
@@ -48,6 +49,7 @@ from loraplex.webui.context import (
     webui_of,
 )
 from loraplex.webui.sessions import OneTimeSecrets
+from loraplex.webui.tenant_picker import tenant_picker
 from loraplex.webui.views import (
     WEB_ACTOR,
     FormErrors,
@@ -199,13 +201,15 @@ def _query(values: dict[str, str]) -> str:
 # ---- create ------------------------------------------------------------------------------------
 
 
-def _form_page(
+async def _form_page(
     request: Request,
     admin: Admin,
     values: dict[str, Any],
     errors: FormErrors | None = None,
     status: int = 200,
 ) -> Response:
+    may_act = not admin.session.read_only
+    tenants = await webui_of(request).store.db.run(partial(tenant_picker, may_act=may_act))
     return render(
         request,
         "keys_form.html",
@@ -217,6 +221,7 @@ def _form_page(
         scopes=SCOPES,
         max_days=MAX_EXPIRY_DAYS,
         models_hint=MODELS_HINT,
+        tenants=tenants,
     )
 
 
@@ -230,7 +235,7 @@ async def new_key(request: Request, admin: SignedIn) -> Response:
         "expires_days": "",
         "allowed_models": "",
     }
-    return _form_page(request, admin, values)
+    return await _form_page(request, admin, values)
 
 
 def _models(text: str, errors: FormErrors) -> list[str] | None:
@@ -281,7 +286,7 @@ async def create_key(request: Request, admin: FormPost) -> Response:
     expires_at = _expiry(values["expires_days"], errors, now)
     models = _models(values["allowed_models"], errors)
     if errors:
-        return _form_page(request, admin, values, errors, status=400)
+        return await _form_page(request, admin, values, errors, status=400)
 
     def create(session: Session) -> tuple[str, str]:
         tenant = service.get_tenant(session, values["tenant"])
@@ -302,7 +307,7 @@ async def create_key(request: Request, admin: FormPost) -> Response:
         public_id, token = await webui_of(request).store.db.run(create)
     except APIError as error:
         errors.add_api_error(error)
-        return _form_page(request, admin, values, errors, status=error.status)
+        return await _form_page(request, admin, values, errors, status=error.status)
     new_secrets(request).put(admin.session, public_id, token)
     return redirect(request, f"{LIST}/{public_id}/created")
 

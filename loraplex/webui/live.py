@@ -220,6 +220,7 @@ class LiveRecorder:
                         point.update(self._data[i].by_tenant)
                 points.append(point)
                 totals.update(point)
+        totals = +totals  # a tenant with no token in the hour gets no line (nor legend entry)
         kept = [t for t, _ in totals.most_common(top)]
         keys = kept + ([OTHERS] if len(totals) > top else [])
         shares: dict[str, list[float | None]] = {k: [] for k in keys}
@@ -273,7 +274,7 @@ class EngineView:
     tokens_per_s: float | None = None
     adapters_device: int | None = None
     adapters_host: int | None = None
-    adapters_disk: int | None = None
+    adapters_registered: int | None = None  # every one, the two above included
     restarts: int | None = None
 
     def display(self) -> dict[str, str]:
@@ -291,7 +292,7 @@ class EngineView:
             "tokens_per_s": format_rate(self.tokens_per_s),
             "adapters_device": _count(self.adapters_device),
             "adapters_host": _count(self.adapters_host),
-            "adapters_disk": _count(self.adapters_disk),
+            "adapters_registered": _count(self.adapters_registered),
             "restarts": _count(self.restarts),
             "status": "running" if self.up else "down",
         }
@@ -363,7 +364,7 @@ class EngineMonitor:
             tokens_per_s=tokens_per_s,
             adapters_device=lora.resident_device if lora else None,
             adapters_host=lora.resident_host if lora else None,
-            adapters_disk=lora.registered if lora else None,
+            adapters_registered=lora.registered if lora else None,
             restarts=stats.engine_restarts,
         )
 

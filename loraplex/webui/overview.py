@@ -10,7 +10,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
-from loraplex.platform.tenants import tenant_names
 from loraplex.webui.charts import Chart, line_chart
 from loraplex.webui.context import (
     NavItem,
@@ -28,6 +27,7 @@ from loraplex.webui.live import (
     format_rate,
     format_seconds,
 )
+from loraplex.webui.tenant_picker import tenant_labels
 
 NAV = NavItem("Overview", "/admin")
 X_LABELS = ("60 min ago", "45", "30", "15", "now")
@@ -40,7 +40,8 @@ SHARE_CLASSES = ("series-a", "series-b", "series-c", "series-d", "series-e")
 
 def share_chart(shares: TenantShares, names: dict[str, str]) -> Chart:
     """Each tenant's share of the tokens generated, a point a minute (the top five by tokens;
-    the others together as one dashed line)."""
+    the others together as one dashed line). Only tenants with tokens in the hour have a line
+    (``tenant_shares``); ``names`` (``tenant_labels``) marks a suspended one as such."""
     lines = []
     for n, (key, values) in enumerate(shares.shares.items()):
         css = "series-f" if key == OTHERS else SHARE_CLASSES[n % len(SHARE_CLASSES)]
@@ -90,6 +91,7 @@ def charts(window: Window) -> list[Chart]:
         ],
         fmt=format_seconds,
         x_labels=X_LABELS,
+        scale="auto",  # a log scale when p99 dwarfs p50, which stays readable beside it
         summary=(
             f"Last hour: p50 {format_seconds(window.ttft_p50_all_s)}, "
             f"p99 {format_seconds(window.ttft_p99_all_s)} over {requests}."
@@ -101,7 +103,7 @@ def charts(window: Window) -> list[Chart]:
 async def _charts(request: Request) -> list[Chart]:
     webui = webui_of(request)
     shares = webui.recorder.tenant_shares()
-    names = await webui.store.db.run(partial(tenant_names, ids=list(shares.totals)))
+    names = await webui.store.db.run(partial(tenant_labels, ids=list(shares.totals)))
     return [*charts(webui.recorder.window()), share_chart(shares, names)]
 
 

@@ -41,6 +41,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -56,7 +57,6 @@ from loraplex.platform.openai.generation import Generation
 from loraplex.platform.openai.serving import OpenAIServing, account
 from loraplex.platform.openai.sse import SSEResponse
 from loraplex.platform.request_log import CLIENT_CLOSED, RequestRecord
-from loraplex.webui.adapters import tenant_choices
 from loraplex.webui.context import (
     Admin,
     FormPost,
@@ -66,6 +66,7 @@ from loraplex.webui.context import (
     secure_headers,
     webui_of,
 )
+from loraplex.webui.tenant_picker import tenant_picker
 from loraplex.webui.views import FormErrors, whole_number
 
 logger = logging.getLogger(__name__)
@@ -360,7 +361,8 @@ async def _page(
         status = max(status, exc.status)
     if not values["model"] and models:
         values = {**values, "model": models[0][0]}
-    tenants = await webui_of(request).store.db.run(tenant_choices)
+    may_act = not admin.session.read_only  # a viewer runs nothing, so acts for no tenant
+    tenants = await webui_of(request).store.db.run(partial(tenant_picker, may_act=may_act))
     return render(
         request,
         "playground.html",

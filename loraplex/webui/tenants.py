@@ -208,6 +208,8 @@ def _form_page(
         errors=errors or FormErrors(),
         quota_labels=QUOTA_LABELS,
         scheduling_labels=SCHEDULING_LABELS,
+        weight_range=(service.MIN_WEIGHT, service.MAX_WEIGHT),
+        weight_refresh_s=f"{service.WEIGHT_REFRESH_S:g}",
         tenant_name=tenant_name,
     )
 
@@ -217,10 +219,27 @@ async def new_tenant(request: Request, admin: SignedIn) -> Response:
     return _form_page(request, admin, mode="create", values=_form_values(None))
 
 
+async def _check_new_name(request: Request, name: str, errors: FormErrors) -> int:
+    """Notes what is wrong with a new tenant's name in ``errors`` (checked with the other
+    fields, so one submit reports every field); returns the status that alone would give
+    (400 malformed, 409 taken, 200 fine)."""
+
+    def check(session: Session) -> None:
+        service.check_new_tenant_name(session, name)
+
+    try:
+        await webui_of(request).store.db.run(check)
+    except APIError as error:
+        errors.add_api_error(error, "name")
+        return error.status
+    return 200
+
+
 @router.post(LIST)
 async def create_tenant(request: Request, admin: FormPost) -> Response:
     values = _submitted(admin)
     errors = _check_display_name(values)
+    name_status = await _check_new_name(request, values["name"], errors)
     quotas = parse_quotas(values, errors)
     weight, max_priority = parse_scheduling(values, errors)
     if not errors:
@@ -241,7 +260,8 @@ async def create_tenant(request: Request, admin: FormPost) -> Response:
                               status=error.status)  # fmt: skip
         admin.flash("success", f"Tenant {values['name']} created. Give it an API key below.")
         return redirect(request, tenant_path(values["name"]))
-    return _form_page(request, admin, mode="create", values=values, errors=errors, status=400)
+    status = name_status if errors.keys() == {"name"} else 400  # a taken name alone: 409
+    return _form_page(request, admin, mode="create", values=values, errors=errors, status=status)
 
 
 # ---- a tenant's page -------------------------------------------------------------------------

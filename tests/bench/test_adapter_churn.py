@@ -1,4 +1,4 @@
-"""``loraplex bench adapter-churn`` (issue 30): a few seconds of the bench on a tiny model through
+"""``python -m benchmarks.adapter_churn`` (issue 30): a few seconds of the bench on a tiny model through
 a real ``loraplex serve``, with its engine process killed in the churn phase (the bench must
 report the restart and the failed requests with the server's error codes); the random adapters
 the server accepts (and their size at issue 30's rank 64); the acceptance checks; the flags.
@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from loraplex.bench.adapter_churn import module_shapes, run_adapter_churn, write_adapter
-from loraplex.bench.adapter_churn_options import ChurnOptions, add_churn_arguments, options_from
-from loraplex.bench.adapter_churn_report import Sent, error_summary, summarize, ttft_summary
+from benchmarks.adapter_churn.options import ChurnOptions, add_churn_arguments, options_from
+from benchmarks.adapter_churn.report import Sent, error_summary, summarize, ttft_summary
+from benchmarks.adapter_churn.run import module_shapes, run_adapter_churn, write_adapter
 from loraplex.bench.http_load import StreamRecord
 from tests.utils.app import add_chat_template
 from tests.utils.models import english_tokenizer, make_tiny_model

@@ -1,4 +1,4 @@
-"""``loraplex bench contention`` (issue 20): a mini run on a tiny model with two adapters, a busy
+"""``python -m benchmarks.contention`` (issue 20): a mini run on a tiny model with two adapters, a busy
 process and a stub vLLM beside loraplex; the children's environments and protocol; the busy
 processes always ending; the options' one-line errors. No test asserts a timing."""
 
@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 
-from loraplex.bench.contention import build_spec, run_contention, run_order, vllm_argv, vllm_script
-from loraplex.bench.contention_options import ContentionOptions, options_from
-from loraplex.bench.contention_procs import (
+from benchmarks._cli import parser_for
+from benchmarks.contention.__main__ import main
+from benchmarks.contention.options import ContentionOptions, add_contention_arguments, options_from
+from benchmarks.contention.procs import (
     Child,
     ChildError,
     busy_processes,
@@ -27,8 +28,8 @@ from loraplex.bench.contention_procs import (
     loraplex_env,
     vllm_env,
 )
-from loraplex.bench.contention_worker import StepTimer, percentile, step_stats, timed_run
-from loraplex.cli import build_parser, main
+from benchmarks.contention.run import build_spec, run_contention, run_order, vllm_argv, vllm_script
+from benchmarks.contention.worker import StepTimer, percentile, step_stats, timed_run
 from loraplex.cpu_threads import SPIN_ENV
 from tests.utils.models import english_tokenizer, make_tiny_model
 
@@ -135,7 +136,7 @@ def test_mini_run_beside_a_busy_process_and_a_stub_vllm(
     assert saved["complete"] and saved["summary"] == result["summary"]
     for key in ("command", "options", "machine", "workload", "children", "bandwidth_probes"):
         assert key in saved
-    assert md_path.read_text().startswith("# loraplex bench contention")
+    assert md_path.read_text().startswith("# python -m benchmarks.contention")
 
     # The run order: per repeat the busy counts, and within each the systems, alternate.
     got = [(r["scenario"], r["repeat"], r["busy"], r["system"]) for r in result["runs"]]
@@ -204,12 +205,14 @@ def test_mini_run_beside_a_busy_process_and_a_stub_vllm(
 def test_a_python_without_vllm_fails_in_one_line(
     tiny_llama: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    argv = ["bench", "contention", tiny_llama, "--vllm-python", sys.executable]
+    argv = [tiny_llama, "--vllm-python", sys.executable]
     assert main([*argv, "--output-dir", str(tmp_path)]) == 1
     lines = capsys.readouterr().err.strip().splitlines()  # progress lines, then the error
     [line] = [ln for ln in lines if "error" in ln]
     assert line == lines[-1]
-    assert line.startswith("loraplex: error: ChildError: vllm: ModuleNotFoundError: No module")
+    assert line.startswith(
+        "python -m benchmarks.contention: error: ChildError: vllm: ModuleNotFoundError: No module"
+    )
     [log] = tmp_path.glob("contention-*-vllm.log")  # kept beside the results, named in the line
     assert str(log) in line and "Traceback" in log.read_text()
 
@@ -294,7 +297,7 @@ def test_busy_processes_end_however_the_block_ends() -> None:
 def test_busy_processes_die_with_a_killed_benchmark() -> None:
     code = (
         "import time\n"
-        "from loraplex.bench.contention_procs import busy_processes\n"
+        "from benchmarks.contention.procs import busy_processes\n"
         "with busy_processes(1) as procs:\n"
         "    print(procs[0].pid, flush=True)\n"
         "    time.sleep(60)\n"
@@ -355,7 +358,7 @@ def test_step_timing_and_the_batch1_decode_rate() -> None:
 
 
 def _options(argv: list[str]) -> ContentionOptions:
-    return options_from(build_parser().parse_args(["bench", "contention", *argv]))
+    return options_from(parser_for("contention", add_contention_arguments).parse_args(argv))
 
 
 def test_defaults_and_the_reproduce_line() -> None:
@@ -395,7 +398,7 @@ def test_defaults_and_the_reproduce_line() -> None:
 def test_bad_options_fail_in_one_line(
     argv: list[str], code: int, needle: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["bench", "contention", *argv]) == code
+    assert main(argv) == code
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("loraplex: error: ")
+    assert len(lines) == 1 and lines[0].startswith("python -m benchmarks.contention: error: ")
     assert needle in lines[0]

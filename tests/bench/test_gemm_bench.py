@@ -1,4 +1,4 @@
-"""``loraplex bench gemm``: its argument types and one tiny run (the figures' shape, not speed)."""
+"""``python -m benchmarks.gemm``: its argument types and one tiny run (the figures' shape, not speed)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.bench.gemm import (
+from benchmarks.gemm import (
     GemmBenchOptions,
     add_gemm_arguments,
     options_from,

@@ -1,4 +1,4 @@
-"""``loraplex bench replicas`` end to end on a tiny model: 1 replica against 2 in paired runs,
+"""``python -m benchmarks.replicas`` end to end on a tiny model: 1 replica against 2 in paired runs,
 and 4 adapters in a steady mix where affinity routing loads each on one replica and round robin
 on more; the CLI parses its options."""
 
@@ -9,8 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.bench.replicas import ReplicasBenchOptions, options_from, run_replicas, steady_mix
-from loraplex.cli import build_parser
+from benchmarks._cli import parser_for
+from benchmarks.replicas import (
+    ReplicasBenchOptions,
+    add_replicas_arguments,
+    options_from,
+    run_replicas,
+    steady_mix,
+)
 from loraplex.engine.dp_client import usable_cpu_list
 from tests.utils.models import english_tokenizer, make_tiny_model
 
@@ -49,7 +55,9 @@ def test_the_bench_writes_both_comparisons(tmp_path: Path) -> None:
 
 
 def test_the_cli_parses_the_options_and_the_mix_is_balanced() -> None:
-    args = build_parser().parse_args(["bench", "replicas", "--num-requests", "8", "--repeats", "1"])
+    args = parser_for("replicas", add_replicas_arguments).parse_args(
+        ["--num-requests", "8", "--repeats", "1"]
+    )
     opts = options_from(args)
     assert opts.num_requests == 8 and opts.replicas == 2 and opts.num_adapters == 8
     assert "--num-requests=8" in opts.command_line()

@@ -1,4 +1,4 @@
-"""``loraplex bench speculative`` end to end on a tiny model with an English word tokenizer: both
+"""``python -m benchmarks.speculative`` end to end on a tiny model with an English word tokenizer: both
 workloads in paired runs, the ratio, the acceptance rate, and equal outputs of both engines."""
 
 from __future__ import annotations
@@ -8,8 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.bench.speculative import SpeculativeBenchOptions, options_from, run_speculative
-from loraplex.cli import build_parser
+from benchmarks._cli import parser_for
+from benchmarks.speculative import (
+    SpeculativeBenchOptions,
+    add_speculative_arguments,
+    options_from,
+    run_speculative,
+)
 from tests.utils.models import english_tokenizer, make_tiny_model
 
 
@@ -44,8 +49,8 @@ def test_the_bench_writes_both_workloads(tmp_path: Path) -> None:
 
 
 def test_the_cli_parses_the_options() -> None:
-    args = build_parser().parse_args(
-        ["bench", "speculative", "--copy-tokens", "64", "--skip-throughput", "--threads", "1"]
+    args = parser_for("speculative", add_speculative_arguments).parse_args(
+        ["--copy-tokens", "64", "--skip-throughput", "--threads", "1"]
     )
     opts = options_from(args)
     assert opts.copy_tokens == 64 and opts.skip_throughput and opts.threads == 1

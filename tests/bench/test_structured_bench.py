@@ -1,4 +1,4 @@
-"""``loraplex bench structured`` end to end on a tiny byte-level model: TPOT of both kinds at
+"""``python -m benchmarks.structured`` end to end on a tiny byte-level model: TPOT of both kinds at
 each batch size with their ratio, and a trace whose slow compile overlaps running steps."""
 
 from __future__ import annotations
@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.bench.structured import (
+from benchmarks._cli import parser_for
+from benchmarks.structured import (
     StructuredBenchOptions,
+    add_structured_arguments,
     big_schema,
     options_from,
     run_structured,
 )
-from loraplex.cli import build_parser
 from loraplex.grammar import check
 from loraplex.sampling_params import StructuredOutputsParams
 from tests.utils.structured import byte_model, write_byte_tokenizer
@@ -46,13 +47,15 @@ def test_the_bench_writes_ratios_and_a_trace(tmp_path: Path) -> None:
 
 
 def test_the_cli_parses_the_options() -> None:
-    args = build_parser().parse_args(
-        ["bench", "structured", "--batch-sizes", "1,8", "--threads", "1"]
+    args = parser_for("structured", add_structured_arguments).parse_args(
+        ["--batch-sizes", "1,8", "--threads", "1"]
     )
     opts = options_from(args)
     assert opts.batch_sizes == (1, 8) and opts.threads == 1
     with pytest.raises(ValueError, match="--batch-sizes"):
-        options_from(build_parser().parse_args(["bench", "structured", "--batch-sizes", "x"]))
+        options_from(
+            parser_for("structured", add_structured_arguments).parse_args(["--batch-sizes", "x"])
+        )
 
 
 def test_the_trace_schema_is_one_the_backend_accepts(tmp_path: Path) -> None:

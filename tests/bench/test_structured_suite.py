@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 from jsonschema import Draft202012Validator
 
-from loraplex.bench.structured_check import (
+from benchmarks.structured_suite.check import (
     Outcome,
     ToolCall,
     ToolCallAssembler,
@@ -25,7 +25,7 @@ from loraplex.bench.structured_check import (
     check_tool_calls,
     totals,
 )
-from loraplex.bench.structured_constraints import (
+from benchmarks.structured_suite.constraints import (
     CONSTRAINT_CASES,
     PARSE_CASES,
     REFUSAL_CASES,
@@ -35,13 +35,14 @@ from loraplex.bench.structured_constraints import (
     ConstraintCase,
     ToolCase,
 )
-from loraplex.bench.structured_options import (
+from benchmarks.structured_suite.options import (
     KINDS,
     SuiteOptions,
     add_suite_arguments,
     options_from,
 )
-from loraplex.bench.structured_schemas import (
+from benchmarks.structured_suite.run import pick_models, plan
+from benchmarks.structured_suite.schemas import (
     FEATURES,
     SCHEMA_CASES,
     SchemaCase,
@@ -51,7 +52,6 @@ from loraplex.bench.structured_schemas import (
     obj,
     text,
 )
-from loraplex.bench.structured_suite import pick_models, plan
 
 
 def test_the_corpus_is_as_large_as_the_issue_asks() -> None:

@@ -165,9 +165,9 @@ def test_honest_constraints_pass_the_precheck_and_compile(
 
 
 def test_the_bench_corpora_and_tool_grammars_pass_the_precheck() -> None:
-    from loraplex.bench.structured import big_schema
-    from loraplex.bench.structured_constraints import CONSTRAINT_CASES, TOOLS
-    from loraplex.bench.structured_schemas import SCHEMA_CASES
+    from benchmarks.structured import big_schema
+    from benchmarks.structured_suite.constraints import CONSTRAINT_CASES, TOOLS
+    from benchmarks.structured_suite.schemas import SCHEMA_CASES
     from loraplex.platform.openai.tools.formats import FORMATS
     from loraplex.platform.openai.tools.grammar import calls_or_json, tool_grammar
     from loraplex.platform.openai.tools.request import Tool, ToolPlan

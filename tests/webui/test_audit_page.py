@@ -14,7 +14,7 @@ from tests.utils.web import WebEnv, post_form, sign_in
 
 pytestmark = pytest.mark.anyio
 
-ROW = re.compile(r'<code class="action">([^<]+)</code>')
+ROW = re.compile(r'<code class="action[^"]*"[^>]*>([^<]+)</code>')
 
 
 def actions(html: str) -> list[str]:
@@ -63,11 +63,15 @@ async def test_the_log_shows_changes_made_in_the_ui(web: WebEnv) -> None:
         assert page.status_code == 200
         assert actions(page.text) == ["tenant.suspend", "tenant.update", "tenant.create"]
         html = re.sub(r"\s+", " ", page.text)
-        assert ('<span class="diff-field">requests_per_minute</span> <del>no limit</del> → '
-                "<ins>120</ins>") in html  # fmt: skip
-        assert "<del>active</del> → <ins>suspended</ins>" in html
-        assert "<ins>&lt;b&gt;Acme&lt;/b&gt;</ins>" in html and "<b>Acme</b>" not in html
-        assert html.count('<td data-label="Actor">admin (web)</td>') == 3
+        assert ('<span class="diff-field">requests_per_minute</span> <del class="clip" '
+                'title="no limit">no limit</del> <span class="diff-arrow">→</span> '
+                '<ins class="clip" title="120">120</ins>') in html  # fmt: skip
+        assert '>active</del> <span class="diff-arrow">→</span> <ins' in html
+        escaped = "&lt;b&gt;Acme&lt;/b&gt;"
+        assert f'<ins class="clip" title="{escaped}">{escaped}</ins>' in html
+        assert "<b>Acme</b>" not in html
+        actor = '<td data-label="Actor"><span class="clip-2" title="admin (web)">admin (web)</span>'
+        assert html.count(actor) == 3
         assert "Clear filters" not in html and "Older »" not in html
 
 

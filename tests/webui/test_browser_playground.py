@@ -123,7 +123,7 @@ def test_upload_see_it_ready_and_run_it_in_the_playground(
     # Upload through the form: the version is ready when the page comes back.
     page.get_by_role("link", name="Upload adapter").click()
     expect(page.get_by_role("heading", name="Upload an adapter")).to_be_visible()
-    page.get_by_label("Tenant").fill("acme")
+    page.get_by_label("Tenant").select_option("acme")
     page.get_by_label("Adapter name").fill("support-bot")
     page.get_by_label("Description").fill("Answers support tickets in the house style.")
     page.get_by_label("Adapter files").set_input_files(
@@ -176,7 +176,7 @@ def test_upload_see_it_ready_and_run_it_in_the_playground(
     # The playground: pick the tenant, its adapter, a prompt; text streams into both columns.
     page.get_by_role("navigation", name="Main").get_by_role("link", name="Playground").click()
     expect(page.get_by_role("heading", name="Playground")).to_be_visible()
-    page.get_by_label("Tenant").fill("acme")
+    page.get_by_label("Tenant").select_option("acme")
     page.get_by_role("button", name="Load adapters").click()
     page.get_by_label("Adapter to compare").select_option("support-bot")
     page.get_by_label("Max tokens").fill("40")
@@ -236,7 +236,7 @@ def test_the_playground_without_javascript(
     context = browser.new_context(java_script_enabled=False, viewport=PHONE)
     page = context.new_page()
     sign_in(page, url, "/admin/adapters/upload")
-    page.get_by_label("Tenant").fill("acme")
+    page.get_by_label("Tenant").select_option("acme")
     page.get_by_label("Adapter name").fill("bot")
     page.get_by_label("Adapter files").set_input_files(
         write_adapter(tmp_path / "a", registry_models.adapters["a"])

@@ -56,7 +56,7 @@ def _ready(page: Any, url: str, folder: Path, adapter: rf.TinyAdapter) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / CONFIG).write_bytes(adapter.config)
     (folder / WEIGHTS).write_bytes(adapter.weights)
-    page.get_by_label("Tenant").fill("acme")
+    page.get_by_label("Tenant").select_option("acme")
     page.get_by_label("Adapter name").fill("bot")
     page.get_by_label("Adapter files").set_input_files(
         [str(folder / CONFIG), str(folder / WEIGHTS)]

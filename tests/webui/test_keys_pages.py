@@ -51,7 +51,7 @@ async def test_a_new_key_is_shown_once_and_works_until_revoked(web: WebEnv) -> N
     async with web.http() as http:
         await sign_in(http)
         form = await http.get("/admin/keys/new", params={"tenant": "acme"})
-        assert 'name="tenant" type="text" value="acme"' in form.text
+        assert '<option value="acme" selected>acme</option>' in form.text  # the tenant picker
         assert form.text.count('type="checkbox" name="scopes"') == 2
         assert form.text.count(" checked>") == 2  # both scopes by default
 

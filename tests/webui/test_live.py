@@ -132,7 +132,8 @@ def test_chart_geometry_breaks_at_gaps_and_scales_to_a_nice_maximum() -> None:
     )
     assert chart.width == 5 and chart.y_labels == ("5", "2.5", "0")
     (line,) = chart.lines
-    assert line.segments == ("1,80.00 2,40.00", "3.5,60.00 4.5,60.00")  # a lone point: a dash
+    assert line.segments == ("1,80.00 2,40.00",)
+    assert line.dots == ((80.0, 60.0),)  # the lone point: a dot at 80% across, 60% down
     assert not chart.empty
     assert line_chart("t", [("a", "x", [None, None])], fmt=str, x_labels=(), summary="").empty
     assert [nice_ceiling(v) for v in (0, 0.3, 1, 1.2, 2.2, 4, 7, 180)] == [

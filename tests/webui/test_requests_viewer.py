@@ -4,40 +4,18 @@ the bodies a tenant opted in to store (shown to operators only)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
-
 import httpx
 import pytest
 
-from loraplex.webui.oidc import OIDCClient
-from tests.utils.oidc import BASE, needs_provider, provider, sso_settings, sso_sign_in
+from tests.utils.oidc import BASE, needs_provider, sso_sign_in
 from tests.utils.request_logs import add_log_rows
 from tests.utils.web import WebEnv, sign_in
 
 pytestmark = [pytest.mark.anyio, needs_provider]
 
 
-@pytest.fixture
-def sso_web(tmp_path: Path) -> Iterator[WebEnv]:
-    """The admin UI signing in through a local OpenID provider (tests/utils/oidc.py)."""
-    env = WebEnv.build(tmp_path)
-    try:
-        with provider([BASE + "/admin/sso/callback"]) as idp:
-            env.webui.sso = OIDCClient(sso_settings(idp.issuer, BASE))
-            yield env
-    finally:
-        env.close()
-
-
-@pytest.fixture
-async def http(sso_web: WebEnv) -> AsyncIterator[httpx.AsyncClient]:
-    async with sso_web.http(base_url=BASE) as client:
-        yield client
-
-
 async def test_a_viewer_sees_requests_but_not_bodies(
-    sso_web: WebEnv, http: httpx.AsyncClient
+    sso_web: WebEnv, sso_http: httpx.AsyncClient
 ) -> None:
     add_log_rows(sso_web, "beta", 1, status=503, request_body='{"secret": "of beta"}',
               response_body="no")  # fmt: skip
@@ -47,15 +25,17 @@ async def test_a_viewer_sees_requests_but_not_bodies(
         assert "of beta" in page.text
         api = await operator.get("/admin/requests.csv")
         assert api.status_code == 200
-    assert (await sso_sign_in(http, "bob")).status_code == 303  # bob: a viewer
-    listing = await http.get("/admin/requests?status=5xx")
+    assert (await sso_sign_in(sso_http, "bob")).status_code == 303  # bob: a viewer
+    listing = await sso_http.get("/admin/requests?status=5xx")
     assert listing.status_code == 200 and "beta-503-0" in listing.text
-    page = await http.get("/admin/requests/beta-503-0")
+    page = await sso_http.get("/admin/requests/beta-503-0")
     assert page.status_code == 200 and "of beta" not in page.text
     assert "shown to operators only" in page.text
-    api = await http.get("/admin/api/requests/beta-503-0")
+    api = await sso_http.get("/admin/api/requests/beta-503-0")
     assert api.status_code == 200
     body = api.json()
     assert body["has_bodies"] is True and body["request_body"] is None
     assert body["response_body"] is None
-    assert (await http.get("/admin/api/requests?tenant=beta")).json()["data"][0]["status"] == 503
+    assert (await sso_http.get("/admin/api/requests?tenant=beta")).json()["data"][0][
+        "status"
+    ] == 503

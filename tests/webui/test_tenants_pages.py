@@ -131,6 +131,26 @@ async def test_a_taken_name_is_refused_inline(web: WebEnv) -> None:
         assert "A tenant named &#39;acme&#39; already exists" in response.text
 
 
+@pytest.mark.parametrize("name", ["Acme Corp", "acme"])  # malformed; taken
+async def test_every_field_error_comes_back_at_once(web: WebEnv, name: str) -> None:
+    """Issue 35: the name's error came only after the other fields were fixed (the service
+    checked it at create time, after the form's own checks had already answered)."""
+    web.tenant_key("acme")
+    async with web.http() as http:
+        await sign_in(http)
+        response = await create(http, name=name, display_name="x" * 201,
+                                requests_per_minute="0", tokens_per_minute="many",
+                                weight="0", max_priority="-5000")  # fmt: skip
+        assert response.status_code == 400
+        errors = dict(re.findall(r'<p class="field-error" id="f-([a-z_]+)-help">([^<]*)</p>',
+                                 response.text))  # fmt: skip
+        assert set(errors) == {"name", "display_name", "requests_per_minute",
+                               "tokens_per_minute", "weight", "max_priority"}, errors  # fmt: skip
+        assert ("A tenant name is 1-63" if name != "acme" else "already exists") in errors["name"]
+    with web.store.db.session() as session:
+        assert session.scalar(select(Tenant.id).where(Tenant.name != "acme")) is None
+
+
 # ---- list, search, pages -------------------------------------------------------------------------
 
 

@@ -5,16 +5,12 @@ operators see the whole URL."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
-
 import httpx
 import pytest
 
 from loraplex.platform.webhooks import store
 from loraplex.platform.webhooks.redact import viewer_error, viewer_url
-from loraplex.webui.oidc import OIDCClient
-from tests.utils.oidc import BASE, needs_provider, provider, sso_settings, sso_sign_in
+from tests.utils.oidc import BASE, needs_provider, sso_sign_in
 from tests.utils.web import WebEnv, sign_in
 
 pytestmark = pytest.mark.anyio
@@ -33,26 +29,9 @@ def test_viewer_url_keeps_the_origin_only() -> None:
     assert viewer_error(None) is None
 
 
-@pytest.fixture
-def sso_web(tmp_path: Path) -> Iterator[WebEnv]:
-    env = WebEnv.build(tmp_path)
-    try:
-        with provider([BASE + "/admin/sso/callback"]) as idp:
-            env.webui.sso = OIDCClient(sso_settings(idp.issuer, BASE))
-            yield env
-    finally:
-        env.close()
-
-
-@pytest.fixture
-async def http(sso_web: WebEnv) -> AsyncIterator[httpx.AsyncClient]:
-    async with sso_web.http(base_url=BASE) as client:
-        yield client
-
-
 @needs_provider
 async def test_a_viewer_sees_receivers_origins_only(
-    sso_web: WebEnv, http: httpx.AsyncClient
+    sso_web: WebEnv, sso_http: httpx.AsyncClient
 ) -> None:
     with sso_web.store.db.session() as session:
         store.create_webhook(session, "admin", SECRET_URL, ["key.expiring"], "slack")
@@ -60,13 +39,13 @@ async def test_a_viewer_sees_receivers_origins_only(
         assert (await sign_in(operator)).status_code == 303
         assert "XXXXsecretXXXX" in (await operator.get("/admin/webhooks")).text
         assert (await operator.get("/admin/api/webhooks")).json()["data"][0]["url"] == SECRET_URL
-    assert (await sso_sign_in(http, "bob")).status_code == 303  # bob: a viewer
-    page = await http.get("/admin/webhooks")
+    assert (await sso_sign_in(sso_http, "bob")).status_code == 303  # bob: a viewer
+    page = await sso_http.get("/admin/webhooks")
     assert page.status_code == 200 and "hooks.example.com" in page.text
     assert "XXXXsecretXXXX" not in page.text and "token=abc" not in page.text
-    listing = await http.get("/admin/api/webhooks")
+    listing = await sso_http.get("/admin/api/webhooks")
     assert listing.status_code == 200
     (hook,) = listing.json()["data"]
     assert hook["url"] == "https://hooks.example.com/…"
-    one = await http.get(f"/admin/api/webhooks/{hook['id']}")
+    one = await sso_http.get(f"/admin/api/webhooks/{hook['id']}")
     assert one.json()["url"] == "https://hooks.example.com/…"

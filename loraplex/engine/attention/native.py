@@ -6,7 +6,8 @@ SDPA is fast). Decode rows, one query token each, go to ``lp_paged_decode_attent
 ``loraplex/kernels/csrc/cpu_kernels.c``: it reads each sequence's keys and values in place from
 the paged cache, through its block table, instead of gathering every sequence's blocks padded to
 the longest one and running a masked SDPA over them, which is what the torch backend does and what
-made attention about 16% of a decode step on 2 CPU threads.
+made attention a large share of a decode step on 2 CPU threads (loraplex bench throughput
+with ``--attention-backend torch`` and ``native`` compares).
 
 ``select.select_backend`` picks this backend (``auto``) on the CPU in fp32 when the native
 kernels are available (``loraplex.kernels.native``) and the kernel takes the model's heads, and

@@ -158,7 +158,7 @@ class TorchPagedAttention:
         ctx = md.decode_mask.shape[-1]  # nb * block_size
         # Query heads of one KV head become that head's "query length": plain batched attention.
         qg = q.view(n, num_kv_heads, group, head_dim)  # [D, H_kv, G, Dh]
-        # index_select of whole blocks: contiguous runs, about 2x faster than k_cache[tables]
+        # index_select of whole blocks: contiguous runs, faster than k_cache[tables]
         keys = k_cache.index_select(0, blocks).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
         vals = v_cache.index_select(0, blocks).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
         if keys.dtype != q.dtype:  # a bf16 cache: attention in the activations' dtype

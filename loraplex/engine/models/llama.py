@@ -54,7 +54,7 @@ class Embedding(nn.Module):
 
     ``transposed``: stored ``[dim, num]`` and exposed as the usual ``[num, dim]`` view, as
     ``Linear`` stores its weight. For a tied LM head on the CPU this makes the logits a plain
-    GEMM (up to 1.5x faster at decode-sized batches) at the cost of a strided row gather for the
+    GEMM (faster at decode-sized batches: ``python -m benchmarks.gemm``) at the cost of a strided row gather for the
     lookup, which touches only the step's tokens.
     """
 
@@ -311,9 +311,9 @@ class LlamaForCausalLM(nn.Module):
             dtype,
             device,
             # the tied head's logits as a plain GEMM on the CPU (see Embedding), unless the
-            # packed kernel computes them: then rows stay contiguous for the lookup (64 tokens:
-            # 15 us instead of 339 for the strided gather, which took 1.1% of the base
-            # workload's wall time; the workload 1.007x, median of 6 pairs, same tokens)
+            # packed kernel computes them: then rows stay contiguous for the lookup, which the
+            # strided gather made a visible part of the base workload's wall time (same tokens;
+            # python -m benchmarks.ab_trees --old REV compares)
             embed_transposed=self.tie_word_embeddings
             and device.type == "cpu"
             and not packed_gemm.packs(dtype, device),

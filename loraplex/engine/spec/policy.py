@@ -10,15 +10,10 @@ request that turns copy-heavy later is found again.
 
 ``c`` grows with the number of decoding requests ``B``: a step of a few tokens is bound by
 reading the weights, so a row is nearly free; a large step is bound by arithmetic, and a row
-costs about what a token does. Measured for SmolLM2-135M in fp32 on the shared 2-core CPU (one
-torch thread, fastest of 7 runs), a step of ``B`` decodes with 4 drafts each against one
-without:
-
-    B                       1      2      4      8      16     32
-    step with 4 drafts    1.21x  1.37x  1.76x  2.60x  3.40x  3.63x
-    c (one row / a token) 0.05   0.09   0.19   0.40   0.60   0.67
-
-so on a CPU ``c = min(0.05 * B, 0.7)``: at batch 1 a request with ``beta`` 0.6 (the prior) gets
+costs about what a token does. For SmolLM2-135M in fp32 on a shared 2-core CPU, a step of ``B``
+decodes with 4 drafts each against one without (``python -m benchmarks.speculative``; the table
+is in docs/benchmarks.md) puts ``c`` (one row over a token) near 0.05 at ``B`` = 1, growing about
+linearly to a plateau from ``B`` = 16 on, so on a CPU ``c = min(0.05 * B, 0.7)``: at batch 1 a request with ``beta`` 0.6 (the prior) gets
 all 4 drafts, at 8 one, at 16 none; a copy-heavy one (``beta`` 0.9) 4, 4 and 3. No request
 speculates when more than ``disable_by_batch_size`` are decoding: 16 on a CPU, where only the
 requests accepting almost everything would still draft, and the lookups are not worth it.

@@ -70,14 +70,12 @@ static inline void lp_axpy(float *restrict y, float alpha, const float *restrict
  * A task is one sequence: every KV head with its group of query heads, over the sequence's
  * blocks in one pass with an online softmax, fetching the next block spread over this one's
  * heads (lp_fetch_share). With fewer than LP_TASKS_PER_THREAD sequences a thread, a task takes
- * fewer KV heads. On a 2-core Intel Xeon, 64 sequences of 120 keys over 30 layers went from
- * 21.9 to 19.5 ms, and 1 to 32 sequences 1.09-1.18x faster (medians of 5 alternating runs of
- * the two builds, the same results to the bit). When head_dim is 1 to 8 vectors (up to 128
+ * fewer KV heads (faster at 1 to 64 sequences, the same results to the bit: `python -m
+ * benchmarks.ab_trees --old REV` against a tree without it). When head_dim is 1 to 8 vectors (up to 128
  * with AVX-512), the scores of LP_VL keys come out of one transpose tree and the weighted
  * values are summed in registers. The online softmax's max and exp run on vectors
- * (lp_max, lp_exp_v): on a 2-core AMD EPYC (Zen 2, AVX2), where GCC left them scalar, that
- * took 64 sequences of 120 keys over 30 layers from 26.1 to 22.3 ms with the caches cold
- * and from 16.8 to 13.3 ms warm (medians of 9 alternating runs of the two builds).
+ * (lp_max, lp_exp_v): GCC leaves them scalar on AVX2 builds (measured as above, A/B of the
+ * builds; the figures are in docs/benchmarks.md).
  * Returns 0, or -1 when an argument is out of range (nothing written).
  */
 #define LP_MAX_ND 8 /* head_dim / LP_VL held in registers: up to 128 with AVX-512 */
@@ -156,7 +154,7 @@ static inline __attribute__((always_inline)) void lp_block_values(
  * [share * per, (share + 1) * per) of the `lines` a task reads there, `lps` 64-byte lines per
  * slot starting at `base` (slots slot_bytes apart). Spreading a block's fetch over the heads
  * of the block before it keeps the fetch beside the arithmetic: issued all at once, it stalled
- * the loads behind it until it was served (1.12x on 64 sequences of 120 keys, 30 layers). */
+ * the loads behind it until it was served (A/B of the builds, as above). */
 static inline void lp_fetch_share(const char *base, int64_t lines, int64_t lps,
                                   int64_t slot_bytes, int64_t share, int64_t shares) {
     if (base == NULL) return;
@@ -348,7 +346,8 @@ int lp_paged_decode_attention(const float *q, int64_t q_row_stride, const int64_
 /* Fetch [p, p + bytes) into the cache ahead of its use. Rows sit at scattered pages, so the
  * hardware prefetcher starts late on each; fetching a slice's A rows all at once (they are
  * latency-bound one at a time) and the next panel of B while this one computes makes fp16 /
- * bf16 pools 1.3-1.6x faster (fp32 less). */
+ * bf16 pools faster, fp32 less (`loraplex bench throughput --num-adapters 8 --lora-dtype
+ * bfloat16`, A/B of the builds). */
 static inline void lp_prefetch(const void *p, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)p + b, 0, 3);
 }
@@ -433,7 +432,8 @@ static inline __attribute__((always_inline)) void lp_lora_shrink_tile(
 /* y_u[c] += sum_i h[u][i] * B[i][c], B[i] = pool row pg[i] (type dt): LP_COLS columns at a time,
  * accumulated in vector registers over the rank rows (y read and written once), the B panel
  * reused from L1 by the tile's tokens. Explicit vectors: with the rows read through pg, GCC 12
- * no longer keeps a plain float accumulator array in registers (6-10x slower at rank 8). */
+ * no longer keeps a plain float accumulator array in registers (several times slower at rank
+ * 8: `loraplex bench throughput --num-adapters 8`, A/B of the builds). */
 #define LP_COL_VECS (LP_COLS / LP_VL)
 static inline __attribute__((always_inline)) void lp_lora_expand_tile(
     const int dt, const void *b_pool, const int32_t *pg, int64_t r, int64_t n, float *y,

@@ -1,8 +1,9 @@
 /* y = x @ W (+ bias) in fp32 with W pre-packed in column panels.
  *
  * At 1 to ~100 rows a linear layer is bound by streaming its weight from memory, and a BLAS
- * sgemm pays there for packing W on every call and for prefetching too little of it: on the
- * 2-core CI machine MKL reaches 40-130 GFLOP/s at 8-32 rows where this kernel reaches 80-155.
+ * sgemm pays there for packing W on every call and for prefetching too little of it, and this
+ * kernel is ahead of MKL there (`python -m benchmarks.gemm --rows 1,8,16,32`; figures in
+ * docs/benchmarks.md).
  * loraplex packs each weight once at load time and calls this up to packed_gemm.max_rows()
  * rows (loraplex/kernels/packed_gemm.py: every batch on AVX2 builds, where it is ahead of MKL
  * at prefill sizes too; up to 128 rows on AVX-512 ones); larger batches go to torch.
@@ -12,15 +13,14 @@
  * tile is LP_MR rows x LP_NR columns, summed over all of K (no K blocking: K * LP_NR floats of
  * a panel stay in L2). One tile streams its panel, prefetching LP_PREFETCH rows ahead; several
  * tiles compute from L2 while fetching the next panel (lp_gemm_panel), and read x packed into
- * tile order (lp_gemm_pack_x). On the 2-core CI machine those two took SmolLM2's linears and
- * tied head, weights cold, from 135/193/228/254 GFLOP/s at 16/32/64/128 rows to 147/230/273/279
- * (of a 328 GFLOP/s sgemm peak; paired A/B of the two builds, medians of 7 alternating runs).
- * With AVX-512 a tile has 14 rows (28 of the 32 vector registers accumulate): on a 2-core Intel
- * Xeon (2 MB of L2 per core) the base workload ran 2.9% faster than with 12 (median of 8
- * alternating pairs in one engine), from fewer tiles, each re-reading its panel from L2, at
- * 13-64 rows. There, reading the weights barely overlaps the arithmetic: a call takes about the
- * sum of the two, so fewer instructions per panel show up directly. 14 rows are not measured
- * on the AMD EPYC the figures above come from.
+ * tile order (lp_gemm_pack_x); both raise the kernel's GFLOP/s at 16-128 rows, weights cold
+ * (`python -m benchmarks.gemm`, on builds with and without them).
+ * With AVX-512 a tile has 14 rows (28 of the 32 vector registers accumulate): on an Intel Xeon
+ * with 2 MB of L2 per core the base workload ran faster than with 12 (`python -m
+ * benchmarks.ab_trees --old REV`, REV a tree with 12), from fewer tiles, each re-reading its
+ * panel from L2, at 13-64 rows. There, reading the weights barely overlaps the arithmetic: a
+ * call takes about the sum of the two, so fewer instructions per panel show up directly. 14 rows
+ * are not measured on AMD EPYC.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -161,11 +161,11 @@ static inline void lp_gemm_panel(int64_t p, int64_t m, int64_t n, int64_t k, con
 
 /* ---- 1 to LP_FEW_ROWS rows: several panels at once ----
  * A tile of one row that streams one panel keeps two accumulators, each a chain of dependent
- * FMAs, and one read stream per thread: on a 2-core AMD EPYC (Zen 2, AVX2) that read SmolLM2's
- * weights at 17 GB/s where a plain read reaches 25-30. A few-row tile takes g consecutive
+ * FMAs, and one read stream per thread: on AMD EPYC (Zen 2, AVX2) that read SmolLM2's weights
+ * well below a plain read's bandwidth. A few-row tile takes g consecutive
  * panels at once instead (g read streams, 2 * rows * g independent accumulators, each stream
- * prefetched LP_FEW_PREFETCH rows ahead): 1 row 4 panels, 2 rows 3, 3 rows 2. There it read
- * the same weights, cold, at 23-31 GB/s (1.3-1.45x, 1 to 3 rows; paired A/B of the builds). */
+ * prefetched LP_FEW_PREFETCH rows ahead): 1 row 4 panels, 2 rows 3, 3 rows 2, which reads
+ * them close to that bandwidth (`python -m benchmarks.gemm --rows 1,2,3`, A/B of the builds). */
 #define LP_FEW_ROWS 3
 #define LP_FEW_PAIRS 6    /* rows * panels: 12 accumulators of the 16 AVX2 registers */
 #define LP_FEW_PREFETCH 8 /* panel rows ahead in each stream */

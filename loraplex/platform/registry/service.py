@@ -84,7 +84,9 @@ REGISTRY_OWNER = "registry"  # the registry's reference to an engine copy (see E
 STALE_UPLOAD_S = 600.0  # a "validating" row this old was left by a crash
 RELEASED = "content.released"  # a PlatformEvent: no version names this content any more
 FEED_LOOKBACK_S = 30.0  # events committed out of id order are still read within this
-RECONCILE_ROUNDS = 60  # feed rounds between two collect_garbage runs (a minute at 1 s)
+RECONCILE_ROUNDS = (
+    60  # feed rounds between two collect_garbage runs (a minute of one-second rounds)
+)
 EVENT_RETENTION_S = 3600.0
 MAX_DESCRIPTION = 2000
 # (kind, facts, dedup_key): an adapter failed validation or failed to load (``on_failure``)

@@ -4,10 +4,14 @@ requests may ask for, with a 400 that names the limit."""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import time
 from typing import Any
 
 import pytest
 
+from loraplex.cli import main
 from loraplex.platform import tenants
 from loraplex.platform.db.models import Tenant
 from tests.utils.tenancy import bearer
@@ -170,3 +174,32 @@ async def test_the_lifespan_pushes_the_weights_and_picks_up_changes_made_on_the_
     assert env.fake.tenant_weights == {acme: 4.0} and len(pushes) == 2
     await service.push_weights(only_changed=True)  # unchanged: not sent again
     assert len(pushes) == 2
+
+
+async def test_a_weight_set_from_the_cli_reaches_the_engine_within_the_refresh_interval(
+    tenancy: Any,
+) -> None:
+    """What ``loraplex admin tenant update --weight`` tells the operator (issue 35): the command
+    writes the database only; the server's refresh loop hands the new weight to the engine within
+    its interval (WEIGHT_REFRESH_S in production, which the CLI prints; 0.2 s here)."""
+    env = tenancy
+    env.tenant("acme")
+    acme = _tenant_id(env, "acme")
+    service = env.app.platform.tenancy.tenants
+    await service.push_weights()
+    assert env.fake.tenant_weights == {acme: 1.0}
+    assert (
+        inspect.signature(service.refresh_weights_forever).parameters["interval_s"].default
+        == tenants.WEIGHT_REFRESH_S
+    )  # the interval the server runs it with
+    loop = asyncio.create_task(service.refresh_weights_forever(interval_s=0.2))
+    try:
+        url = env.store.settings.resolved_database_url
+        args = ["admin", "tenant", "update", "acme", "--weight", "4", "--database-url", url]
+        assert await asyncio.to_thread(main, args) == 0  # the real command, on the same database
+        start = time.monotonic()
+        while env.fake.tenant_weights != {acme: 4.0}:
+            assert time.monotonic() - start < 2.0, env.fake.tenant_weights
+            await asyncio.sleep(0.02)
+    finally:
+        loop.cancel()

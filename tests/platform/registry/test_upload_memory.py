@@ -27,7 +27,7 @@ from tests.utils.tenancy import TenancyEnv
 from tests.utils.web import csrf_of, sign_in
 
 REPO = Path(__file__).resolve().parents[3]
-SCRIPT = REPO / "scripts" / "upload_memory.py"
+SCRIPT = REPO / "benchmarks" / "upload_memory.py"
 registry_models = rf.registry_models
 
 
@@ -48,7 +48,7 @@ def wide_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/<pid>/status")
 def test_concurrent_refused_uploads_leave_resident_memory_flat(wide_model: str) -> None:
-    """``scripts/upload_memory.py``: a real server, three concurrent 48 MiB uploads (wrong
+    """``benchmarks/upload_memory.py``: a real server, three concurrent 48 MiB uploads (wrong
     shapes, a lying header: both refused from the header; NaN weights: refused after every
     byte was read). Reading uploads whole grew the server by their sum and kept it."""
     size_mb = 48
