@@ -145,6 +145,8 @@ def churn_table(result: dict[str, Any]) -> str:
     row("B TTFT p50 (s)", lambda p: p["b_ttft"]["p50_s"])
     row("B TTFT p90 (s)", lambda p: p["b_ttft"]["p90_s"])
     row("B TTFT p99 (s)", lambda p: p["b_ttft"]["p99_s"])
+    row("B server queue mean (s)", lambda p: p.get("b_server", {}).get("queue_mean_s"))
+    row("B server TTFT mean (s)", lambda p: p.get("b_server", {}).get("ttft_mean_s"))
     row("B completed / sent", lambda p: f"{p['b_ttft']['completed']}/{p['b_ttft']['sent']}")
     row("A completed / sent", lambda p: f"{p['a']['completed']}/{p['a']['sent']}")
     row("A output tok/s", lambda p: p["a"]["output_tokens_per_s"])

@@ -163,6 +163,45 @@ async def read_counters(http: httpx.AsyncClient, headers: dict[str, str]) -> dic
     return out
 
 
+SERVER_TIMES = {  # histogram family -> key: where B's time to first token went, server side
+    "loraplex_request_queue_time_seconds": "queue",
+    "loraplex_time_to_first_token_seconds": "ttft",
+}
+
+
+async def server_times(
+    http: httpx.AsyncClient, headers: dict[str, str], model: str
+) -> dict[str, float]:
+    """``model``'s server-side queue time and time to first token so far, from ``/metrics``:
+    ``<key>_sum`` and ``<key>_count`` per histogram of ``SERVER_TIMES``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = await http.get("/metrics", headers=headers)
+    if not r.is_success:
+        raise ServerError(f"GET /metrics: {r.status_code} {r.text[:200]}")
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(r.text):
+        key = SERVER_TIMES.get(family.name)
+        for sample in family.samples if key else ():
+            suffix = sample.name.removeprefix(family.name)
+            label = sample.labels.get("model", "")  # name@version
+            if label.partition("@")[0] == model and suffix in ("_sum", "_count"):
+                out[f"{key}{suffix}"] = out.get(f"{key}{suffix}", 0.0) + sample.value
+    return out
+
+
+def server_means(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """Mean queue time and time to first token (s) of the requests counted between two
+    ``server_times`` readings: the engine's side of B's client-measured TTFT."""
+    out: dict[str, Any] = {}
+    for key in SERVER_TIMES.values():
+        n = after.get(f"{key}_count", 0.0) - before.get(f"{key}_count", 0.0)
+        total = after.get(f"{key}_sum", 0.0) - before.get(f"{key}_sum", 0.0)
+        out[f"{key}_mean_s"] = round(total / n, 4) if n > 0 else None
+        out[f"{key}_n"] = int(n)
+    return out
+
+
 @dataclass
 class Sampler:
     """``read_counters`` every ``every`` s until stopped; /health's reason when unhealthy."""
@@ -310,6 +349,7 @@ async def phase(
     sampling_done = asyncio.Event()
     t0 = time.monotonic()
     before = await c.counters()
+    b_before = await server_times(c.http, c.platform.headers, b_model)
     sampling = asyncio.create_task(sampler.run(sampling_done))
     stop = asyncio.Event()
     a_task = asyncio.create_task(c.a_load(a_models, stop)) if a_models else None
@@ -325,6 +365,7 @@ async def phase(
     sampling_done.set()
     await sampling
     after = await c.counters()
+    b_server = server_means(b_before, await server_times(c.http, c.platform.headers, b_model))
     sampler.samples.append((time.monotonic(), after))  # the series ends at the phase's totals
     a = [s for t, s in c.sent if t == "a"]
     a_tokens = sum(s.record.tokens_between(start, end) for s in a)
@@ -332,6 +373,7 @@ async def phase(
         "a_adapters": len(a_models),
         "window_s": round(end - start, 2),
         "b_ttft": ttft_summary(b),
+        "b_server": b_server,
         "a": {
             "sent": len(a),
             "completed": sum(s.ok for s in a),
