@@ -3,9 +3,12 @@
 The usage recorder (``usage.py``) and the request log (``request_log_writer.py``) both need it:
 ``push`` appends to a bounded in-memory queue and wakes the writer once a batch is full; the
 writer writes at most ``batch_size`` rows per database call, every ``flush_interval`` seconds
-or sooner; a batch the database refuses goes back to the front of the queue, in order, and is
-tried again after ``flush_interval``. Past ``max_pending`` rows (the database slow or down) a
-row is dropped and counted in ``dropped``: the oldest one (``drop_oldest``) or the new one.
+or sooner. A batch that fails because the database is unreachable (``transient``) goes back to
+the front of the queue, in order, and is tried again after ``flush_interval``; a batch the
+database refuses for its content is written row by row, and a row it refuses alone is dropped
+and counted (``rejected``, also in ``dropped``): one bad row never holds up the rows behind it.
+Past ``max_pending`` rows (the database slow or down) a row is dropped and counted in
+``dropped``: the oldest one (``drop_oldest``) or the new one.
 """
 
 from __future__ import annotations
@@ -16,9 +19,26 @@ from collections import deque
 from contextlib import suppress
 from typing import Generic, TypeVar
 
+from sqlalchemy import exc as sa_exc
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# The database did not answer (down, restarting, pool exhausted): the rows are not at fault.
+TRANSIENT: tuple[type[BaseException], ...] = (
+    sa_exc.OperationalError,
+    sa_exc.InterfaceError,
+    sa_exc.DisconnectionError,
+    sa_exc.TimeoutError,
+    TimeoutError,
+    OSError,
+)
+
+
+def transient(error: BaseException) -> bool:
+    """Whether ``error`` says the database is unreachable rather than refusing the rows."""
+    return isinstance(error, TRANSIENT)
 
 
 class BatchWriter(Generic[T]):
@@ -39,7 +59,8 @@ class BatchWriter(Generic[T]):
         self.batch_size = batch_size
         self.flush_interval = flush_interval
         self.drop_oldest = drop_oldest
-        self.dropped = 0  # rows lost to a full queue, since start
+        self.dropped = 0  # rows lost to a full queue or refused alone, since start
+        self.rejected = 0  # rows the database refused alone (counted in ``dropped`` too)
         self.written = 0
         self._queue: deque[T] = deque()
         self._wake = asyncio.Event()
@@ -89,18 +110,40 @@ class BatchWriter(Generic[T]):
                 await asyncio.sleep(self.flush_interval)
 
     async def flush(self) -> int:
-        """Write every queued row now; returns how many. Rows a failing database refused stay
-        queued, in order, for the next flush."""
+        """Write every queued row now; returns how many. Rows an unreachable database could not
+        take stay queued, in order, for the next flush; rows it refused are dropped."""
         written = 0
-        async with self._flush_lock:
-            while self._queue:
-                batch = [self._queue.popleft() for _ in range(min(self.batch_size, len(self._queue)))]  # fmt: skip
-                try:
-                    written += await self._write_batch(batch)
-                except Exception:
-                    self._queue.extendleft(reversed(batch))
+        try:
+            async with self._flush_lock:
+                while self._queue:
+                    batch = [self._queue.popleft() for _ in range(min(self.batch_size, len(self._queue)))]  # fmt: skip
+                    try:
+                        written += await self._write_batch(batch)
+                    except Exception as exc:
+                        if transient(exc):
+                            self._queue.extendleft(reversed(batch))
+                            raise
+                        written += await self._write_one_by_one(batch)
+        finally:
+            self.written += written
+        return written
+
+    async def _write_one_by_one(self, batch: list[T]) -> int:
+        """``batch`` (which the database refused as a whole) row by row: a row
+        refused alone is dropped; on a transient error the rest goes back to the queue."""
+        written = 0
+        for i, row in enumerate(batch):
+            try:
+                written += await self._write_batch([row])
+            except Exception as exc:
+                if transient(exc):
+                    self._queue.extendleft(reversed(batch[i:]))
+                    self.written += written
                     raise
-        self.written += written
+                self.rejected += 1
+                self.dropped += 1
+                logger.error("%s: the database refused a row, dropped (%d so far): %s",
+                             self.name, self.rejected, _brief(exc))  # fmt: skip
         return written
 
     async def close(self) -> None:
@@ -112,3 +155,9 @@ class BatchWriter(Generic[T]):
             await asyncio.gather(task, return_exceptions=True)
         await self.flush()
         self._closing = False
+
+
+def _brief(error: BaseException) -> str:
+    """The error's type and first line: a log line, not a dump of the statement's rows."""
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text[:200]}"
