@@ -74,7 +74,7 @@ def test_the_install_and_start_commands_work_in_a_clean_venv(tmp_path: Path) -> 
     env.update(LORAPLEX_CACHE_DIR=str(cache), LORAPLEX_DATA_DIR=str(data), HF_HUB_OFFLINE="1")
     env["LORAPLEX_TORCH_INDEX"] = ""
     converted = embedded_model_dir()
-    if converted.is_dir():  # the conversion (40 s) is tested elsewhere; reuse its result
+    if converted.is_dir():  # the (slow) conversion is tested elsewhere; reuse its result
         target = cache / converted.relative_to(converted.parents[1])
         shutil.copytree(converted, target)
 

@@ -15,7 +15,7 @@ from loraplex.engine import default_model as dm
 @pytest.mark.slow
 def test_embedded_model_is_converted_once_and_cached() -> None:
     # Fills the real cache ($LORAPLEX_CACHE_DIR or ~/.cache/loraplex): every end-to-end test that
-    # reads real text uses this directory, so the first run pays the ~40 s conversion here.
+    # reads real text uses this directory, so the first run pays the conversion here.
     first = dm.resolve_model_dir(None)
     start = time.perf_counter()
     second = dm.resolve_model_dir(None)
