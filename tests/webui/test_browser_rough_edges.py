@@ -158,3 +158,21 @@ def test_the_audit_table_fits_its_box(
         assert holder.first.evaluate("e => e.textContent.trim()") == value
     shot(page, "audit-long-values")  # also phone width: no horizontal overflow
     page.close()
+
+
+def test_the_top_bar_keeps_sign_out_on_the_first_line(
+    browser: Any, served: tuple[WebEnv, str], shot: base.Shot
+) -> None:
+    """Every navigation item and Sign out fit one bar at 1400 px: the navigation wraps inside
+    its own box (at narrower widths) instead of pushing Sign out under the brand."""
+    _, url = served
+    page = signed_in(browser, url, "/admin")
+    brand, sign_out = box(page, ".brand"), box(page, ".signout button")
+    centre = brand["y"] + brand["height"] / 2
+    assert sign_out["y"] <= centre <= sign_out["y"] + sign_out["height"], (brand, sign_out)
+    for width in (1400, 1100, 900):  # narrower: the navigation may take two lines, Sign out stays
+        page.set_viewport_size({"width": width, "height": 900})
+        brand, sign_out = box(page, ".brand"), box(page, ".signout button")
+        assert sign_out["y"] < brand["y"] + brand["height"], (width, brand, sign_out)
+    shot(page, "top-bar-900")
+    page.close()
