@@ -1,5 +1,5 @@
 """Faults of one adapter's load stay with that adapter (issue 30): the file missing, changed,
-truncated, corrupt, with another content hash, unreadable, NaN weights, no room in the pool,
+truncated, corrupt, with another content hash, unreadable, NaN or Inf weights, no room in the pool,
 an exception in the copy thread. In each, a base-model request and another tenant's adapter
 request run in the same batches as the faulty adapter's request: those two get exactly the
 tokens of a run without the fault, the faulty one ends with finish reason "error" and a reason
@@ -120,6 +120,13 @@ def nan_weights(d: Path) -> None:
     save_file(w, str(d / WEIGHTS))
 
 
+def inf_weights(d: Path) -> None:  # one entry of an A matrix: the check must look at every one
+    w = load_file(str(d / WEIGHTS))
+    name = next(k for k in w if "lora_A" in k)
+    w[name][0, -1] = float("-inf")
+    save_file(w, str(d / WEIGHTS))
+
+
 FAULTS = {
     "missing": (missing, "its files are missing"),
     "changed": (changed, "its files changed on disk"),
@@ -128,6 +135,7 @@ FAULTS = {
     "corrupt": (corrupt, "its stored files are damaged"),
     "unreadable": (unreadable, "could not be loaded: its files"),
     "nan_weights": (nan_weights, "NaN or Inf"),
+    "inf_weights": (inf_weights, "NaN or Inf"),
 }
 
 
