@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client import Metric
 
 from benchmarks.adapter_churn.options import ChurnOptions
 from benchmarks.adapter_churn.report import (
@@ -144,15 +145,20 @@ def _series() -> dict[tuple[str, str | None], str]:
     return names | {("loraplex_engine_restarts", None): "engine_restarts"}
 
 
-async def read_counters(http: httpx.AsyncClient, headers: dict[str, str]) -> dict[str, float]:
-    """The engine counters' totals now, and ``healthy`` (1 or 0), from ``/metrics``."""
+async def scrape(http: httpx.AsyncClient, headers: dict[str, str]) -> list[Metric]:
+    """``/metrics`` now, parsed by Prometheus' own parser."""
     from prometheus_client.parser import text_string_to_metric_families
 
     r = await http.get("/metrics", headers=headers)
     if not r.is_success:
         raise ServerError(f"GET /metrics: {r.status_code} {r.text[:200]}")
+    return list(text_string_to_metric_families(r.text))
+
+
+async def read_counters(http: httpx.AsyncClient, headers: dict[str, str]) -> dict[str, float]:
+    """The engine counters' totals now, and ``healthy`` (1 or 0), from ``/metrics``."""
     series, out = _series(), {}
-    for family in text_string_to_metric_families(r.text):
+    for family in await scrape(http, headers):
         for sample in family.samples:
             if sample.name == "loraplex_engine_healthy":
                 out["healthy"] = sample.value
@@ -174,13 +180,8 @@ async def server_times(
 ) -> dict[str, float]:
     """``model``'s server-side queue time and time to first token so far, from ``/metrics``:
     ``<key>_sum`` and ``<key>_count`` per histogram of ``SERVER_TIMES``."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    r = await http.get("/metrics", headers=headers)
-    if not r.is_success:
-        raise ServerError(f"GET /metrics: {r.status_code} {r.text[:200]}")
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(r.text):
+    for family in await scrape(http, headers):
         key = SERVER_TIMES.get(family.name)
         for sample in family.samples if key else ():
             suffix = sample.name.removeprefix(family.name)
