@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json as _json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -109,8 +110,11 @@ class SamplingParams:
             not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):
             raise bad("max_tokens", f"must be an integer >= 1; got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise bad("temperature", f"must be >= 0 (0 means greedy); got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise bad(
+                "temperature",
+                f"must be a finite number >= 0 (0 means greedy); got {self.temperature}",
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1]; got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
@@ -121,8 +125,10 @@ class SamplingParams:
             raise bad("presence_penalty", f"must be in [-2, 2]; got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", f"must be in [-2, 2]; got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", f"must be > 0; got {self.repetition_penalty}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise bad(
+                "repetition_penalty", f"must be a finite number > 0; got {self.repetition_penalty}"
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
             raise bad("logprobs", f"must be between 0 and {_MAX_LOGPROBS}; got {self.logprobs}")
         stop = self.stop

@@ -3,13 +3,16 @@
 Order per row: token mask (if given) -> raw logprobs (if asked) -> penalties -> greedy argmax ->
 temperature -> top-k -> top-p -> min-p -> sample. The mask comes first, as vLLM applies a
 grammar's bitmask before its sampler: a masked token is never sampled, and logprobs describe the
-distribution the token was drawn from. Sampling is the exponential race: ``argmax(probs / q)`` with
-``q ~ Exp(1)`` draws a token with probability ``probs``, and lets a seeded row take its ``q``
-from its own generator, so its tokens do not depend on its batch neighbours or its row. That
-generator is seeded from the request's seed and the output position the row samples, so a
-seeded request's token at a position depends on nothing else: not on how many rows it sampled
-before (speculative decoding verifies several positions in one step and discards the rows after
-a rejection, ``engine/spec/``), so its tokens are the same with speculation and without.
+distribution the token was drawn from. Sampling inverts each row's cumulative distribution at
+one uniform ``u`` per row (``cpu_ops.sample_rows``: one pass and one exp per value on the CPU;
+the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``, that this replaced drew a log and a
+random number per value on one thread: docs/benchmarks.md has what that cost). A seeded
+row takes its ``u`` from its own generator, so its tokens do not depend on its batch neighbours
+or its row. That generator is seeded from the request's seed and the output position the row
+samples, so a seeded request's token at a position depends on nothing else: not on how many
+rows it sampled before (speculative decoding verifies several positions in one step and
+discards the rows after a rejection, ``engine/spec/``), so its tokens are the same with
+speculation and without.
 
 Every branch is decided from the Python-side params, never from tensor values, so the device
 is only waited on by the ``tolist`` calls at the end.
@@ -26,7 +29,7 @@ import numpy as np
 import torch
 
 from loraplex.engine.records import TokenLogprobs
-from loraplex.kernels.cpu_ops import argmax_rows
+from loraplex.kernels.cpu_ops import argmax_rows, sample_rows
 from loraplex.sampling_params import SamplingParams
 
 
@@ -213,27 +216,36 @@ class Sampler:
         top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)]
         min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy, strict=True)]
 
-        logits = logits / torch.tensor(temps, device=dev).unsqueeze(1)  # [S, V], owned from here
-        if any(p < 1.0 for p in top_p):
-            logits = _top_k_top_p_sorted(logits, top_k, top_p)
-        elif any(k < V for k in top_k):
-            _top_k_only(logits, top_k)
-        if any(m > 0.0 for m in min_p):
-            # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)   (log(0) = -inf: no-op)
-            log_min_p = torch.tensor(
-                [math.log(m) if m > 0 else -math.inf for m in min_p], device=dev
-            )
-            floor = logits.amax(dim=-1) + log_min_p  # [S]
-            logits.masked_fill_(logits < floor.unsqueeze(1), -math.inf)
+        truncate = (
+            any(p < 1.0 for p in top_p) or any(k < V for k in top_k) or any(m > 0.0 for m in min_p)
+        )
+        # 1 / T held inside fp32's normal range: a huge temperature is a uniform draw, not 0
+        inv = [min(max(1.0 / t, 1e-30), 1e30) for t in temps]
+        inv_temp = torch.tensor(inv, dtype=torch.float32, device=dev)  # [S]
+        if truncate:
+            logits = logits * inv_temp.unsqueeze(1)  # [S, V], owned from here
+            inv_temp = torch.ones_like(inv_temp)
+            if any(p < 1.0 for p in top_p):
+                logits = _top_k_top_p_sorted(logits, top_k, top_p)
+            elif any(k < V for k in top_k):
+                _top_k_only(logits, top_k)
+            if any(m > 0.0 for m in min_p):
+                # p_i < min_p * p_max <=> logit_i < logit_max + log(min_p)  (log(0) = -inf: no-op)
+                log_min_p = torch.tensor(
+                    [math.log(m) if m > 0 else -math.inf for m in min_p], device=dev
+                )
+                floor = logits.amax(dim=-1) + log_min_p  # [S]
+                logits.masked_fill_(logits < floor.unsqueeze(1), -math.inf)
 
-        probs = logits.softmax(dim=-1)  # [S, V]
-        q = torch.empty_like(probs)  # [S, V]
         seeded = [i for i, p in enumerate(params) if p.seed is not None and not greedy[i]]
-        if len(seeded) < S:
-            q.exponential_()
+        u = (
+            torch.rand(S, dtype=torch.float64)
+            if len(seeded) < S
+            else torch.empty(S, dtype=torch.float64)
+        )
         for i in seeded:
-            q[i].exponential_(generator=self._generator(rows[i]))
-        sampled = probs.div_(q).argmax(dim=-1)  # [S]
+            u[i] = torch.rand(1, dtype=torch.float64, generator=self._generator(rows[i]))
+        sampled = sample_rows(logits, inv_temp, u.to(dev))  # [S]
         if greedy_tokens is not None:
             sampled = torch.where(torch.tensor(greedy, device=dev), greedy_tokens, sampled)  # [S]
         return sampled

@@ -145,3 +145,46 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     )
     _check(rc, "lp_argmax_rows")
     return out
+
+
+def sample_rows_reference(x: torch.Tensor, inv_temp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: per row, the first token whose cumulative probability under
+    ``softmax(x * inv_temp)`` exceeds ``u`` (``x [S, V]``, ``inv_temp [S]`` fp32, ``u [S]`` fp64
+    in [0, 1)). The cumulative sums are fp64; a token at -inf (probability 0) is never drawn."""
+    probs = (x.float() * inv_temp.unsqueeze(1)).softmax(dim=-1)  # [S, V]
+    cdf = probs.double().cumsum(dim=-1)  # [S, V]
+    target = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(1)  # [S, 1]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)  # [S]: first cdf > target
+    # rounding can leave target at the total: the last token with probability
+    last = (probs > 0).cumsum(dim=-1).argmax(dim=-1)  # [S]: the first index of the final count
+    return torch.minimum(idx, last)
+
+
+def sample_rows(x: torch.Tensor, inv_temp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``x [S, V]`` drawn from ``softmax(x * inv_temp)`` at the uniforms
+    ``u [S]`` (fp64, [0, 1)): ``sample_rows_reference``'s rule in one pass per row on the CPU
+    (one exp per value, no [S, V] temporaries). A row with a NaN or with no finite value gets its
+    argmax in both."""
+    ok = (
+        native.usable(x, inv_temp)
+        and _rows_ok(x)
+        and x.shape[0] > 0
+        and 0 < x.shape[1] <= 1 << 22
+        and inv_temp.is_contiguous()
+        and tuple(inv_temp.shape) == (x.shape[0],)
+        and u.dtype == torch.float64
+        and u.is_contiguous()
+        and tuple(u.shape) == (x.shape[0],)
+    )
+    lib = native.library() if ok else None
+    if lib is None:
+        bad = ~torch.isfinite(x.amax(dim=-1))  # [S]: amax is NaN where the row has one
+        out = sample_rows_reference(x, inv_temp, u)
+        return torch.where(bad, x.argmax(dim=-1), out) if bool(bad.any()) else out
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    rc = lib.lp_sample_rows(
+        native.ptr(x), x.stride(0), x.shape[0], x.shape[1],
+        native.ptr(inv_temp), native.ptr(u), native.ptr(out), native.num_threads(),
+    )  # fmt: skip
+    _check(rc, "lp_sample_rows")
+    return out

@@ -137,6 +137,11 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.lp_silu_mul.argtypes = [ptr, i64, i64, i64, ptr, i64, c_int]
     lib.lp_argmax_rows.restype = c_int
     lib.lp_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr, c_int]
+    lib.lp_sample_rows.restype = c_int
+    lib.lp_sample_rows.argtypes = [
+        ptr, i64, i64, i64,  # x, stride, rows, cols
+        ptr, ptr, ptr, c_int,  # inv_temp (fp32), u (fp64), out (int64), num_threads
+    ]  # fmt: skip
     lib.lp_gemm_panel_width.restype = c_int
     lib.lp_gemm_panel_width.argtypes = []
     lib.lp_gemm_packed.restype = c_int

@@ -48,6 +48,9 @@ def test_bad_prompt_is_a_value_error_and_engine_keeps_serving(
     [
         (dict(max_tokens=0), "max_tokens"),
         (dict(temperature=-0.5), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),  # the sampler's 1 / T must be a number
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(n=0), "n"),

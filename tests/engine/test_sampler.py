@@ -160,6 +160,14 @@ def test_temperature_sharpens_and_flattens() -> None:
         assert_frequencies(draw(temperature=t), [w / sum(weights) for w in weights])
 
 
+def test_extreme_temperatures_sample_without_raising() -> None:
+    # 1 / 1e300 underflows fp32: the sampler holds it at the smallest scale it passes on, so a
+    # huge temperature draws uniformly instead of failing the step; just above greedy is argmax.
+    tokens = draw(temperature=1e300)
+    assert_frequencies(tokens, [0.25] * 4)
+    assert set(draw(temperature=2e-5)) == {1}
+
+
 def test_top_k_keeps_the_k_most_likely_renormalized() -> None:
     assert_frequencies(draw(top_k=2), [0.0, 0.4 / 0.7, 0.0, 0.3 / 0.7])
     assert set(draw(top_k=1)) == {1}

@@ -747,3 +747,112 @@ int lp_argmax_rows(const float *x, int64_t stride, int64_t rows, int64_t cols, i
     }
     return 0;
 }
+
+/* ---- random sampling ------------------------------------------------------------------------ */
+
+#define LP_SAMPLE_BLOCK 256 /* values per partial sum of the inverse-CDF walk */
+#define LP_SAMPLE_MAX_COLS (1 << 22) /* vocabulary size (the partial sums live on the stack) */
+
+/* exp(z) for z <= 0, and exactly 0 below -87: a token masked to -inf (or this far below the
+ * largest) gets no probability at all, never lp_exp_v's clamped e^-87. */
+static inline lp_vf lp_exp_nonpos_v(lp_vf z) {
+    return lp_sel(z < -87.0f, lp_splat(0.0f), lp_exp_v(z));
+}
+
+static inline float lp_exp_nonpos(float z) { return z < -87.0f ? 0.0f : lp_exp(z); }
+
+/* e^((r[i] - mx) * it) summed over r[i0, i1): one partial sum of the walk */
+static float lp_block_sum(const float *r, int64_t i0, int64_t i1, float mx, float it) {
+    lp_vf acc = lp_splat(0.0f);
+    int64_t i = i0;
+    for (; i + LP_VL <= i1; i += LP_VL) acc += lp_exp_nonpos_v((lp_ld(r + i) - mx) * it);
+    float s = 0.0f;
+    for (int j = 0; j < LP_VL; j++) s += acc[j];
+    for (; i < i1; i++) s += lp_exp_nonpos((r[i] - mx) * it);
+    return s;
+}
+
+/* One row: the first index whose cumulative probability exceeds u (inverse-CDF sampling), or
+ * -1 when the row has no finite largest value (the caller then takes its argmax). */
+static int64_t lp_sample_row(const float *r, int64_t cols, float it, double u) {
+    lp_vf vmx = lp_splat(-INFINITY);
+    lp_vi nan = (lp_vi){0};
+    int64_t i = 0;
+    for (; i + LP_VL <= cols; i += LP_VL) {
+        const lp_vf v = lp_ld(r + i);
+        nan |= v != v;
+        vmx = lp_max(vmx, v);
+    }
+    float mx = -INFINITY;
+    int has_nan = 0;
+    for (int j = 0; j < LP_VL; j++) {
+        mx = vmx[j] > mx ? vmx[j] : mx;
+        has_nan |= nan[j] != 0;
+    }
+    for (; i < cols; i++) {
+        mx = r[i] > mx ? r[i] : mx;
+        has_nan |= r[i] != r[i];
+    }
+    /* a NaN anywhere, or no finite largest value: the argmax rule decides (the caller) */
+    if (has_nan || !(mx > -INFINITY && mx < INFINITY)) return -1;
+    const int64_t nb = (cols + LP_SAMPLE_BLOCK - 1) / LP_SAMPLE_BLOCK;
+    float bsum[nb]; /* nb <= LP_SAMPLE_MAX_COLS / LP_SAMPLE_BLOCK: 64 KB at most */
+    double total = 0.0;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t i1 = (b + 1) * LP_SAMPLE_BLOCK < cols ? (b + 1) * LP_SAMPLE_BLOCK : cols;
+        bsum[b] = lp_block_sum(r, b * LP_SAMPLE_BLOCK, i1, mx, it);
+        total += bsum[b];
+    }
+    /* total >= 1: the largest value contributes e^0 */
+    const double target = u * total;
+    double cum = 0.0;
+    int64_t b = 0, last_b = -1;
+    for (; b < nb; b++) {
+        if (bsum[b] > 0.0f) last_b = b;
+        if (cum + bsum[b] > target) break;
+        cum += bsum[b];
+    }
+    if (b == nb) { /* rounding carried the walk past the end: the last block with mass */
+        b = last_b;
+        cum = total - bsum[b];
+    }
+    const int64_t i1 = (b + 1) * LP_SAMPLE_BLOCK < cols ? (b + 1) * LP_SAMPLE_BLOCK : cols;
+    int64_t last = -1;
+    for (int64_t i = b * LP_SAMPLE_BLOCK; i < i1; i++) {
+        const float e = lp_exp_nonpos((r[i] - mx) * it);
+        if (e <= 0.0f) continue; /* no mass: never drawn */
+        last = i;
+        cum += e;
+        if (cum > target) return i;
+    }
+    return last; /* the block's sum in another order reached target, this walk did not */
+}
+
+/* out[t] = a token drawn from softmax(x[t] * inv_temp[t]) at the uniform u[t] in [0, 1): the
+ * first token whose cumulative probability exceeds u[t], so a token's chance is its
+ * probability (up to fp32 rounding of its e^z) and a token at -inf is never drawn. A row with a
+ * NaN, or with no finite value, gets its argmax (lp_argmax_rows's rule). Rows are spread over
+ * the threads one at a time, so a thread descheduled by a neighbour holds up one row only.
+ * Returns -1 when an argument is out of range. */
+int lp_sample_rows(const float *x, int64_t stride, int64_t rows, int64_t cols,
+                   const float *inv_temp, const double *u, int64_t *out, int num_threads) {
+    if (cols <= 0 || cols > LP_SAMPLE_MAX_COLS || rows < 0) return -1;
+    for (int64_t t = 0; t < rows; t++)
+        if (!(inv_temp[t] > 0.0f && inv_temp[t] < INFINITY) || !(u[t] >= 0.0 && u[t] < 1.0))
+            return -1;
+    int bad = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) \
+    if (rows * cols >= LP_PAR_MIN && rows > 1)
+    for (int64_t t = 0; t < rows; t++) {
+        out[t] = lp_sample_row(x + t * stride, cols, inv_temp[t], u[t]);
+        if (out[t] < 0) {
+#pragma omp atomic write
+            bad = 1;
+        }
+    }
+    if (bad) {
+        for (int64_t t = 0; t < rows; t++)
+            if (out[t] < 0) lp_argmax_rows(x + t * stride, stride, 1, cols, out + t, 1);
+    }
+    return 0;
+}
