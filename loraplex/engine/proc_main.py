@@ -10,6 +10,7 @@ engine process.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -260,6 +261,10 @@ def _run(
             loaded.append((spec, call_core(core, AddLoRA(spec.name, spec.path, spec.pinned))))
         except Exception as exc:
             loaded.append((spec, f"{type(exc).__name__}: {exc}"))
+    # The model, tokenizer and caches live as long as the process: out of the collector's way,
+    # so that a full collection, which the steps' garbage triggers, no longer walks them.
+    gc.collect()
+    gc.freeze()
     conn.send(Ready(info, loaded))
     try:
         _serve(conn, core)

@@ -182,6 +182,8 @@ class ModelRunner:
 
     def init_kv_cache(self) -> int:
         """Allocate the KV cache (zeroed; block 0 is the null block) and return ``num_blocks``.
+        On the CPU its memory is committed here, as vLLM's ``torch.zeros`` cache is: a host short
+        of memory fails at start, and no step pays for faulting in the pages it writes first.
 
         Under tensor parallelism every rank calls it (rank 0 tells the others) and all take the
         smallest count any rank can hold: one block table serves every rank's share."""
@@ -190,8 +192,8 @@ class ModelRunner:
         num_blocks = self.tp.min_int(self._num_blocks())
         s = self._kv_spec
         shape = self.attn.kv_cache_shape(num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
-        if self.device.type == "cpu":  # huge pages where the OS gives them
-            self.kv_cache = host_memory.zeros((s.num_layers, *shape), s.dtype)
+        if self.device.type == "cpu":  # huge pages where the OS gives them, committed now
+            self.kv_cache = host_memory.zeros((s.num_layers, *shape), s.dtype, commit=True)
         else:
             self.kv_cache = torch.zeros((s.num_layers, *shape), dtype=s.dtype, device=self.device)
         self.model.bind_attention(self.attn, list(self.kv_cache.unbind(0)))

@@ -33,6 +33,8 @@ import torch
 
 HUGE_PAGES_ENV = "LORAPLEX_HUGE_PAGES"
 HUGE_PAGE = 2 << 20
+_PAGE = 4096  # the smallest page: one byte written in each commits a mapping's every page
+_MADV_POPULATE_WRITE = 23  # <linux/mman.h>; older kernels refuse it (EINVAL)
 _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -68,10 +70,37 @@ def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return _mapped(shape, dtype, zero=False)
 
 
-def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+def zeros(shape: Sequence[int], dtype: torch.dtype, *, commit: bool = False) -> torch.Tensor:
     """``torch.zeros`` on the CPU, backed by huge pages as :func:`empty`. A fresh mapping is
-    zero already, and its pages are only committed as they are first written."""
-    return _mapped(shape, dtype, zero=True)
+    zero already, and its pages are only committed as they are first written; ``commit`` writes
+    one byte of every page now, so that the memory is taken here (a host short of it fails now,
+    not in the middle of serving) and no later write pays for faulting a page in and zeroing it.
+    """
+    tensor = _mapped(shape, dtype, zero=True)
+    if commit and is_huge_backed(tensor):  # torch.zeros has written every page already
+        _commit(tensor)
+    return tensor
+
+
+def _commit(tensor: torch.Tensor) -> None:
+    """Fault in every page of a fresh mapping: one madvise(MADV_POPULATE_WRITE) (Linux 5.14
+    on; the kernel zero-fills without a fault per page), else one byte written per page."""
+    nbytes = tensor.numel() * tensor.element_size()
+    libc = _libc()
+    if libc is not None and libc.madvise(tensor.data_ptr(), nbytes, _MADV_POPULATE_WRITE) == 0:
+        return
+    tensor.view(-1).view(torch.uint8)[::_PAGE].zero_()  # [nbytes / _PAGE] bytes, all zero
+
+
+@cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def is_huge_backed(t: torch.Tensor) -> bool:

@@ -58,6 +58,25 @@ def test_big_buffers_are_aligned_and_advised() -> None:
     assert "hg" in vma.get("VmFlags", "").split()  # the MADV_HUGEPAGE flag on the mapping
 
 
+def _rss_kib(t: torch.Tensor) -> int:
+    return int(_vma_of(t.data_ptr())["Rss"].split()[0])
+
+
+@needs_thp
+@pytest.mark.parametrize("populate", [True, False], ids=["madvise", "one-byte-per-page"])
+def test_a_committed_buffer_is_resident_and_zero(
+    populate: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not populate:  # a kernel before 5.14: the fallback writes a byte of each page
+        monkeypatch.setattr(host_memory, "_MADV_POPULATE_WRITE", -1)
+    lazy = host_memory.zeros(BIG, torch.float32)
+    assert _rss_kib(lazy) == 0  # nothing written: no page is taken yet
+    t = host_memory.zeros(BIG, torch.float32, commit=True)
+    assert host_memory.is_huge_backed(t)
+    assert _rss_kib(t) >= 4096  # all 4 MiB taken before anything is written
+    assert int(t.count_nonzero()) == 0
+
+
 def test_small_buffers_stay_plain_torch() -> None:
     t = host_memory.zeros((16, 16), torch.float32)
     assert not host_memory.is_huge_backed(t)
@@ -101,3 +120,15 @@ def test_packed_weights_are_huge_backed_and_unchanged() -> None:
     torch.testing.assert_close(
         packed_gemm.linear(x, weight, packed), x @ weight.t(), atol=2e-4, rtol=1e-4
     )
+
+
+@needs_thp
+def test_the_engine_commits_its_kv_cache_at_start(tiny_llama: str) -> None:
+    from loraplex.llm import LLM
+
+    llm = LLM(tiny_llama, kv_cache_memory=16 << 20)
+    cache = llm.llm_engine.core.runner.kv_cache
+    assert cache is not None and host_memory.is_huge_backed(cache)
+    nbytes = cache.numel() * cache.element_size()
+    assert nbytes >= 8 << 20
+    assert _rss_kib(cache) * 1024 >= nbytes  # taken at start, before any request wrote to it
