@@ -3,6 +3,7 @@
     python -m benchmarks.serve_vs_vllm --vllm-python /work/venv-vllm/bin/python --pairs 2
     python -m benchmarks.serve_vs_vllm ... --adapters 8          # 8 rank-8 adapters, round robin
     python -m benchmarks.serve_vs_vllm ... --loraplex-platform   # loraplex with tenants and keys
+    python -m benchmarks.serve_vs_vllm ... --against no-platform # platform vs --no-platform
 
 Each run starts one server on the embedded SmolLM2-135M-Instruct (``loraplex serve
 --no-platform`` at its default dtype, or the full platform with one tenant key; ``vllm serve``
@@ -11,8 +12,10 @@ round, then runs ``vllm bench serve --backend vllm --dataset-name random --rando
 --random-output-len 128 --num-prompts 64 --max-concurrency 32 --ignore-eos`` (issue 32's
 command) against it and stops it. The systems alternate, the order flipping every pair. Prints
 and writes JSON: output tokens/s, TTFT median/p99 and TPOT median per run, and the medians of
-the per-pair loraplex/vLLM ratios. vLLM is never a dependency of loraplex: ``--vllm-python`` is
-the interpreter of its own virtual environment.
+the per-pair loraplex/vLLM ratios. ``--against no-platform`` puts the full platform against
+``--no-platform`` instead (both loraplex; the ratio is platform over no-platform). vLLM is never
+a dependency of loraplex: ``--vllm-python`` is the interpreter of its own virtual environment
+(its client measures every run).
 """
 
 from __future__ import annotations
@@ -87,7 +90,10 @@ def run_one(system: str, args: argparse.Namespace, model_dir: str, loras: dict[s
         argv = [sys.executable, "-m", "loraplex.cli", "serve", "--port", str(port),
                 "--served-model-name", NAME, "--log-level", "warning",
                 "--data-dir", str(tmp / f"{tag}-data")]  # fmt: skip
-        if not args.loraplex_platform:
+        platform = system == "loraplex-platform" or (
+            system == "loraplex" and args.loraplex_platform
+        )
+        if not platform:
             argv.append("--no-platform")
         if loras:
             argv += ["--lora-modules", *(f"{n}={p}" for n, p in loras.items())]
@@ -97,7 +103,7 @@ def run_one(system: str, args: argparse.Namespace, model_dir: str, loras: dict[s
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_ready(url, proc, log)
-        if system == "loraplex" and args.loraplex_platform:
+        if platform:
             key = platform_key(url, admin)
         client = [args.vllm_python, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
                   "--base-url", url, "--model", NAME, "--tokenizer", model_dir, *BENCH]  # fmt: skip
@@ -136,6 +142,8 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--adapters", type=int, default=0, help="rank-8 random adapters, round robin")
     p.add_argument("--loraplex-platform", action="store_true", help="loraplex with tenants/keys")
+    p.add_argument("--against", choices=["vllm", "no-platform"], default="vllm",
+                   help="no-platform: the full platform against loraplex serve --no-platform")  # fmt: skip
     p.add_argument("--out", default="bench-results")
     args = p.parse_args()
     sys.path.insert(0, str(REPO))
@@ -150,8 +158,10 @@ def main() -> None:
             make_random_adapters(model_dir, tmp / "adapters", args.adapters, rank=8)
             if args.adapters else {}
         )  # fmt: skip
+        first, second = ("loraplex-platform", "loraplex") if args.against == "no-platform" else (
+            "loraplex", "vllm")  # fmt: skip
         for i in range(args.pairs):
-            for system in ("loraplex", "vllm") if i % 2 == 0 else ("vllm", "loraplex"):
+            for system in (first, second) if i % 2 == 0 else (second, first):
                 run = run_one(system, args, model_dir, loras, tmp, f"{system}-{i}")
                 runs.append({"pair": i, **run})
                 print(json.dumps(runs[-1]), flush=True)
@@ -160,15 +170,15 @@ def main() -> None:
         per = []
         for i in range(args.pairs):
             mine = {str(r["system"]): r for r in runs if r["pair"] == i}
-            per.append(float(mine["loraplex"][key]) / float(mine["vllm"][key]))  # type: ignore[arg-type]
+            per.append(float(mine[first][key]) / float(mine[second][key]))  # type: ignore[arg-type]
         return round(statistics.median(per), 3)
 
     result = {
         "command": " ".join(["python", "-m benchmarks.serve_vs_vllm", *sys.argv[1:]]),
         "bench": ["vllm", "bench", "serve", *BENCH],
         "runs": runs,
-        "median_throughput_loraplex_over_vllm": ratio("output_tokens_per_s"),
-        "median_ttft_p99_loraplex_over_vllm": ratio("ttft_p99_ms"),
+        f"median_throughput_{first}_over_{second}": ratio("output_tokens_per_s"),
+        f"median_ttft_p99_{first}_over_{second}": ratio("ttft_p99_ms"),
     }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out, f"serve-vs-vllm-{time.strftime('%Y%m%d-%H%M%S')}.json")
