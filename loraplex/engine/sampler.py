@@ -238,14 +238,15 @@ class Sampler:
                 logits.masked_fill_(logits < floor.unsqueeze(1), -math.inf)
 
         seeded = [i for i, p in enumerate(params) if p.seed is not None and not greedy[i]]
+        f64 = torch.float64
         u = (
-            torch.rand(S, dtype=torch.float64)
+            torch.rand(S, dtype=f64, device=dev)
             if len(seeded) < S
-            else torch.empty(S, dtype=torch.float64)
+            else torch.empty(S, dtype=f64, device=dev)
         )
-        for i in seeded:
-            u[i] = torch.rand(1, dtype=torch.float64, generator=self._generator(rows[i]))
-        sampled = sample_rows(logits, inv_temp, u.to(dev))  # [S]
+        for i in seeded:  # the row's generator lives on the device, as its draw does
+            u[i] = torch.rand(1, dtype=f64, device=dev, generator=self._generator(rows[i]))
+        sampled = sample_rows(logits, inv_temp, u)  # [S]
         if greedy_tokens is not None:
             sampled = torch.where(torch.tensor(greedy, device=dev), greedy_tokens, sampled)  # [S]
         return sampled

@@ -179,8 +179,8 @@ def sample_rows(x: torch.Tensor, inv_temp: torch.Tensor, u: torch.Tensor) -> tor
     lib = native.library() if ok else None
     if lib is None:
         bad = ~torch.isfinite(x.amax(dim=-1))  # [S]: amax is NaN where the row has one
-        out = sample_rows_reference(x, inv_temp, u)
-        return torch.where(bad, x.argmax(dim=-1), out) if bool(bad.any()) else out
+        # no branch on bad: on a GPU that would wait for the device
+        return torch.where(bad, x.argmax(dim=-1), sample_rows_reference(x, inv_temp, u))
     out = torch.empty(x.shape[0], dtype=torch.int64)
     rc = lib.lp_sample_rows(
         native.ptr(x), x.stride(0), x.shape[0], x.shape[1],
