@@ -9,7 +9,8 @@ requests of ``loraplex bench throughput``'s 64-request workload, all resident, f
 ``LORAPLEX_CPU_AUTO_DTYPE`` says otherwise) and runs the workload once untimed. Then the
 workers take turns, the order flipping every pair; one run at a time, the other waits. Prints
 and writes JSON: each run's output tokens/s, each pair's new/old ratio and the median ratio.
-Used for issue 30's "no throughput lost at 32 adapters".
+Used for issue 30's "no throughput lost at 32 adapters" and issue 32's "no regression of the
+fp32 path" (``--adapters 0``, greedy and ``--temperature 1``).
 """
 
 from __future__ import annotations
@@ -35,15 +36,16 @@ from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.bench.workload import encode, make_workload
 from loraplex.engine.default_model import embedded_model_dir
 
-root, n = Path(sys.argv[1]), int(sys.argv[2])
-names = sorted(p.name for p in root.iterdir() if p.is_dir())[:n]
-llm = LLM(str(embedded_model_dir()), max_loras=n, max_cpu_loras=n, max_lora_rank=64,
-          max_num_seqs=64, max_num_batched_tokens=1024)
+root, n, temperature = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+names = sorted(p.name for p in root.iterdir() if p.is_dir())[:n] if n else []
+lora_args = dict(max_loras=n, max_cpu_loras=n, max_lora_rank=64) if n else {}
+llm = LLM(str(embedded_model_dir()), max_num_seqs=64, max_num_batched_tokens=1024, **lora_args)
 wl = make_workload(64, 16, 128, seed=0)
 tok = llm.llm_engine.tokenizer
 prompts = [encode(tok, p) for p in wl.prompts]
-loras = [LoRARequest(names[i % n], str(root / names[i % n])) for i in range(len(prompts))]
-params = [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for k in wl.output_lens]
+loras = [LoRARequest(names[i % n], str(root / names[i % n])) for i in range(len(prompts))] if n else None
+params = [SamplingParams(max_tokens=k, temperature=temperature, ignore_eos=True)
+          for k in wl.output_lens]
 
 def run():
     t = time.perf_counter()
@@ -72,11 +74,11 @@ def export(rev: str, into: Path) -> Path:
     return into
 
 
-def start(tree: Path, adapters: Path, n: int) -> subprocess.Popen[str]:
+def start(tree: Path, adapters: Path, n: int, temperature: float) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     env.setdefault("LORAPLEX_CPU_AUTO_DTYPE", "float32")
     proc = subprocess.Popen(
-        [sys.executable, "-c", WORKER, str(adapters), str(n)],
+        [sys.executable, "-c", WORKER, str(adapters), str(n), str(temperature)],
         cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert proc.stdout is not None
@@ -97,7 +99,8 @@ def timed(proc: subprocess.Popen[str]) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--old", required=True, help="git revision of the baseline tree")
-    p.add_argument("--adapters", type=int, default=32)
+    p.add_argument("--adapters", type=int, default=32, help="0: the base model alone")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--pairs", type=int, default=8)
     p.add_argument("--out", default="bench-results")
     args = p.parse_args()
@@ -107,10 +110,12 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="ab-trees-") as tmp:
         adapters = Path(tmp, "adapters")
-        make_random_adapters(str(embedded_model_dir()), adapters, args.adapters, rank=8)
+        adapters.mkdir()
+        if args.adapters:
+            make_random_adapters(str(embedded_model_dir()), adapters, args.adapters, rank=8)
         old_tree = export(args.old, Path(tmp, "old"))
-        workers = {"old": start(old_tree, adapters, args.adapters),
-                   "new": start(REPO, adapters, args.adapters)}  # fmt: skip
+        workers = {"old": start(old_tree, adapters, args.adapters, args.temperature),
+                   "new": start(REPO, adapters, args.adapters, args.temperature)}  # fmt: skip
         runs: dict[str, list[float]] = {"old": [], "new": []}
         for i in range(args.pairs):
             for name in ("old", "new") if i % 2 == 0 else ("new", "old"):
@@ -128,6 +133,7 @@ def main() -> None:
         "old": args.old,
         "new": head,
         "adapters": args.adapters,
+        "temperature": args.temperature,
         "tokens_per_s": runs,
         "new_over_old": ratios,
         "median_new_over_old": statistics.median(ratios),
