@@ -46,6 +46,7 @@ from benchmarks.contention.procs import (
     Child,
     ChildError,
     busy_processes,
+    frozen,
     loraplex_env,
     vllm_env,
 )
@@ -306,9 +307,9 @@ def _probe(child: Child, spin: str, opts: ContentionOptions, result: dict[str, A
 
 
 def _one_run(child: Child, scenario: str, busy: int, idle: Sequence[Child]) -> dict[str, Any]:
-    """One timed run beside ``busy`` busy processes; ``idle``: the other children, whose CPU
-    time over the run is recorded (an idle engine must not compete)."""
-    with busy_processes(busy) as procs:
+    """One timed run beside ``busy`` busy processes; ``idle``: the other children, stopped for
+    the run (``frozen``); their CPU time over it is recorded (it must be 0)."""
+    with busy_processes(busy) as procs, frozen([c.pid for c in idle]):
         idle0 = sum(tree_cpu_seconds(c.pid) for c in idle)
         run = child.call("run", "result", scenario=scenario)
         idle_cpu = sum(tree_cpu_seconds(c.pid) for c in idle) - idle0

@@ -100,13 +100,8 @@ def step_stats(times: Sequence[float]) -> dict[str, Any] | None:
     }
 
 
-def tree_cpu_seconds(root: int | None = None) -> float:
-    """CPU seconds (user + system) of process ``root`` (None: this one) and its live
-    descendants: vLLM runs its engine core in a child process, which ``time.process_time()``
-    would miss. Linux ``/proc``; elsewhere this process alone."""
-    if not os.path.isdir("/proc"):
-        return time.process_time()
-    root = os.getpid() if root is None else root
+def _proc_table() -> tuple[dict[int, int], dict[int, float]]:
+    """Every process's parent and CPU seconds (user + system), from /proc."""
     tick = os.sysconf("SC_CLK_TCK")
     parent: dict[int, int] = {}
     cpu: dict[int, float] = {}
@@ -120,12 +115,35 @@ def tree_cpu_seconds(root: int | None = None) -> float:
             continue  # exited meanwhile
         parent[int(entry)] = int(fields[1])
         cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return parent, cpu
+
+
+def tree_pids(root: int) -> set[int]:
+    """``root`` and its live descendants (Linux ``/proc``; elsewhere ``root`` alone)."""
+    if not os.path.isdir("/proc"):
+        return {root}
+    parent, _ = _proc_table()
+    return _descendants(root, parent)
+
+
+def _descendants(root: int, parent: dict[int, int]) -> set[int]:
     tree, grew = {root}, True
     while grew:
         more = {pid for pid, ppid in parent.items() if ppid in tree} - tree
         tree |= more
         grew = bool(more)
-    return sum(cpu.get(pid, 0.0) for pid in tree)
+    return tree
+
+
+def tree_cpu_seconds(root: int | None = None) -> float:
+    """CPU seconds (user + system) of process ``root`` (None: this one) and its live
+    descendants: vLLM runs its engine core in a child process, which ``time.process_time()``
+    would miss. Linux ``/proc``; elsewhere this process alone."""
+    if not os.path.isdir("/proc"):
+        return time.process_time()
+    root = os.getpid() if root is None else root
+    parent, cpu = _proc_table()
+    return sum(cpu.get(pid, 0.0) for pid in _descendants(root, parent))
 
 
 def timed_run(backend: Backend, timer: StepTimer, job: dict[str, Any]) -> dict[str, Any]:

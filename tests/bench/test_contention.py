@@ -24,12 +24,13 @@ from benchmarks.contention.procs import (
     Child,
     ChildError,
     busy_processes,
+    frozen,
     is_running,
     loraplex_env,
     vllm_env,
 )
 from benchmarks.contention.run import build_spec, run_contention, run_order, vllm_argv, vllm_script
-from benchmarks.contention.worker import StepTimer, percentile, step_stats, timed_run
+from benchmarks.contention.worker import StepTimer, percentile, step_stats, timed_run, tree_pids
 from loraplex.cpu_threads import SPIN_ENV
 from tests.utils.models import english_tokenizer, make_tiny_model
 
@@ -292,6 +293,32 @@ def test_busy_processes_end_however_the_block_ends() -> None:
     assert not [pid for pid in pids if is_running(pid)]
     with busy_processes(0) as none:
         assert none == []
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_an_idle_child_and_its_children_are_stopped_for_a_run_and_continued_after() -> None:
+    code = (
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print('up', flush=True); time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None and parent.stdout.readline().strip() == "up"
+        tree = sorted(tree_pids(parent.pid))
+        assert len(tree) == 2  # the child and its own child (vLLM's engine core is one)
+        with pytest.raises(RuntimeError, match="run failed"), frozen([parent.pid]):
+            assert [_state(pid) for pid in tree] == ["T", "T"]
+            raise RuntimeError("run failed")  # continued however the block ends
+        assert "T" not in [_state(pid) for pid in tree]
+    finally:
+        for pid in sorted(tree_pids(parent.pid), reverse=True):
+            os.kill(pid, 9)
+        parent.wait()
 
 
 def test_busy_processes_die_with_a_killed_benchmark() -> None:
