@@ -33,6 +33,8 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.vllm_dtype import CHOICES, resolve_vllm_dtype
+
 REPO = Path(__file__).resolve().parents[1]
 NAME = "SmolLM2-135M-Instruct"
 BENCH = ["--backend", "vllm", "--dataset-name", "random", "--random-input-len", "256",
@@ -138,7 +140,8 @@ def run_one(system: str, args: argparse.Namespace, model_dir: str, loras: dict[s
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--vllm-python", required=True)
-    p.add_argument("--vllm-dtype", default="float32")
+    p.add_argument("--vllm-dtype", choices=CHOICES, default="auto",
+                   help="auto (default): bf16 where the CPU has AMX-BF16 or AVX512-BF16, else fp32")  # fmt: skip
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--adapters", type=int, default=0, help="rank-8 random adapters, round robin")
     p.add_argument("--loraplex-platform", action="store_true", help="loraplex with tenants/keys")
@@ -147,6 +150,7 @@ def main() -> None:
     p.add_argument("--out", default="bench-results")
     args = p.parse_args()
     sys.path.insert(0, str(REPO))
+    args.vllm_dtype, vllm_dtype_reason = resolve_vllm_dtype(args.vllm_dtype)
     from loraplex.bench.adapters import make_random_adapters
     from loraplex.engine.default_model import embedded_model_dir
 
@@ -176,6 +180,8 @@ def main() -> None:
     result = {
         "command": " ".join(["python", "-m benchmarks.serve_vs_vllm", *sys.argv[1:]]),
         "bench": ["vllm", "bench", "serve", *BENCH],
+        "vllm_dtype": args.vllm_dtype,
+        "vllm_dtype_reason": vllm_dtype_reason,
         "runs": runs,
         f"median_throughput_{first}_over_{second}": ratio("output_tokens_per_s"),
         f"median_ttft_p99_{first}_over_{second}": ratio("ttft_p99_ms"),

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from benchmarks.vllm_dtype import CHOICES
 from loraplex.argtypes import non_negative_int, positive_int
 from loraplex.bench.common import add_workload_arguments, workload_argv
 from loraplex.config import MAX_LORAS
@@ -45,7 +46,7 @@ class ContentionOptions:
     threads: int | None = None  # torch threads in the loraplex child (None: torch's default)
     copy_mb: int = 256  # the bandwidth probe's tensor
     vllm_python: str | None = None  # a Python with vLLM installed; None: loraplex alone
-    vllm_dtype: str = "float32"
+    vllm_dtype: str = "auto"  # benchmarks.vllm_dtype: vLLM's fastest on this CPU
     timeout_s: float = 3600.0  # one child operation (load, warm-up or a timed run)
     output_dir: str = "bench-results"
 
@@ -213,7 +214,10 @@ def add_contention_arguments(p: argparse.ArgumentParser) -> None:
         help="python of a virtual environment with vLLM installed: run the same runs "
         "through vLLM's LLM, alternating with loraplex",
     )
-    v.add_argument("--vllm-dtype", choices=("float32", "bfloat16"), default=d.vllm_dtype)
+    v.add_argument(
+        "--vllm-dtype", choices=CHOICES, default=d.vllm_dtype,
+        help="auto (default): bf16 where the CPU has AMX-BF16 or AVX512-BF16, else fp32",
+    )  # fmt: skip
     p.add_argument("--output-dir", default=d.output_dir)
 
 

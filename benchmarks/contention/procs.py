@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -233,8 +234,29 @@ def frozen(roots: Sequence[int]) -> Iterator[None]:
                     stopped.append(pid)
                 except ProcessLookupError:
                     pass
+        _wait_stopped(stopped)
         yield
     finally:
         for pid in stopped:
             with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+
+
+def _wait_stopped(pids: Sequence[int], timeout_s: float = 5.0) -> None:
+    """Until every process of ``pids`` that still exists is stopped (a signal is delivered when
+    the process next runs, not when it is sent); at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    waiting = list(pids)
+    while waiting and time.monotonic() < deadline:
+        waiting = [pid for pid in waiting if _state(pid) not in ("T", "t", "Z", "X", None)]
+        if waiting:
+            time.sleep(0.005)
+
+
+def _state(pid: int) -> str | None:
+    """The one-letter state of process ``pid`` in /proc (None: gone, or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None

@@ -52,6 +52,7 @@ from benchmarks.contention.procs import (
 )
 from benchmarks.contention.summary import summarize, warnings
 from benchmarks.contention.worker import tree_cpu_seconds
+from benchmarks.vllm_dtype import resolve_vllm_dtype
 from loraplex.bench.workload import encode, make_workload, random_text
 from loraplex.cpu_threads import DEFAULT_SPINCOUNT, SPIN_ENV
 
@@ -89,6 +90,7 @@ def build_spec(
 ) -> dict[str, Any]:
     """What every child reads: the model, the engines' settings and each scenario's token ids,
     output lengths and adapter indices (None: the base model)."""
+    vllm_dtype, why = resolve_vllm_dtype(opts.vllm_dtype)
     workload = make_workload(
         opts.num_requests,
         opts.min_output,
@@ -121,7 +123,7 @@ def build_spec(
         "threads": opts.threads,
         "adapters": [{"name": k, "path": v} for k, v in adapter_dirs.items()],
         "loraplex_engine": {"max_loras": n, "max_lora_rank": opts.adapter_rank} if n else {},
-        "vllm": {"dtype": opts.vllm_dtype, "max_lora_rank": opts.adapter_rank},
+        "vllm": {"dtype": vllm_dtype, "dtype_reason": why, "max_lora_rank": opts.adapter_rank},
         "warm": {
             "prompts": [warm[i % len(warm)] for i in range(len(warm_adapters))],
             "output_lens": [4] * len(warm_adapters),

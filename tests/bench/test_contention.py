@@ -31,6 +31,7 @@ from benchmarks.contention.procs import (
 )
 from benchmarks.contention.run import build_spec, run_contention, run_order, vllm_argv, vllm_script
 from benchmarks.contention.worker import StepTimer, percentile, step_stats, timed_run, tree_pids
+from benchmarks.vllm_dtype import resolve_vllm_dtype
 from loraplex.cpu_threads import SPIN_ENV
 from tests.utils.models import english_tokenizer, make_tiny_model
 
@@ -175,7 +176,7 @@ def test_mini_run_beside_a_busy_process_and_a_stub_vllm(
     # vLLM got the same token ids, output lengths and adapters as loraplex.
     calls = _records(record)
     assert calls[0]["init"] == {
-        "model": model, "dtype": "float32", "seed": 0,
+        "model": model, "dtype": resolve_vllm_dtype("auto")[0], "seed": 0,
         "enable_lora": True, "max_loras": 2, "max_lora_rank": 2,
     }  # fmt: skip
     timed = [c["generate"] for c in calls if "generate" in c][1:]  # after the warm-up
