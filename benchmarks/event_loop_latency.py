@@ -36,6 +36,8 @@ from typing import IO, Any
 
 import httpx
 
+from benchmarks._server import wait_healthy
+
 ROOT = Path(__file__).resolve().parent.parent
 HUGE = "hello world, this is a long prompt. " * 200_000  # 7.2 MB
 
@@ -56,19 +58,8 @@ def _start(
     # The server logs every request: into a file, never a pipe nobody reads (a full pipe
     # would block the server).
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=log, text=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise SystemExit(f"loraplex serve exited: {log.read()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("loraplex serve did not become healthy in 300 s")
+    wait_healthy(proc, f"http://127.0.0.1:{port}", Path(log.name))
+    return proc
 
 
 def _poll_during(base: str, path: str | None, body: dict[str, Any] | None) -> dict[str, Any]:

@@ -38,6 +38,8 @@ from typing import IO, Any
 
 import httpx
 
+from benchmarks._server import wait_healthy
+
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN = "lpx-admin-scrape-bench-0123456789"
 
@@ -55,18 +57,8 @@ def _start(model: str | None, port: int, metrics_port: int, data: str, log: IO[s
         args.insert(4, model)
     env = {**os.environ, "LORAPLEX_ADMIN_TOKEN": ADMIN}
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=log, text=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode}); see {log.name}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("the server did not become healthy in 300 s")
+    wait_healthy(proc, f"http://127.0.0.1:{port}", Path(log.name))
+    return proc
 
 
 class Workload:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks._server import wait_healthy
 from benchmarks.vllm_dtype import CHOICES, resolve_vllm_dtype
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,20 +49,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited at start:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"the server did not start in {timeout} s:\n{log.read_text()[-3000:]}")
 
 
 def platform_key(url: str, admin: str) -> str:
@@ -104,7 +91,7 @@ def run_one(system: str, args: argparse.Namespace, model_dir: str, loras: dict[s
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        wait_ready(url, proc, log)
+        wait_healthy(proc, url, log, timeout_s=600, interval_s=1.0)
         if platform:
             key = platform_key(url, admin)
         client = [args.vllm_python, "-m", "vllm.entrypoints.cli.main", "bench", "serve",

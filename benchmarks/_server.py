@@ -1,0 +1,42 @@
+"""Waiting for a server a benchmark started: one loop for every experiment here."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+def wait_healthy(
+    proc: subprocess.Popen[Any],
+    base: str,
+    log: Path,
+    *,
+    timeout_s: float = 300.0,
+    interval_s: float = 0.5,
+) -> None:
+    """Return once ``GET {base}/health`` answers 200. ``SystemExit`` with the tail of ``log``
+    (the server's output) if the server exits first or is not healthy in ``timeout_s``; then
+    it is killed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited ({proc.returncode}):\n{_tail(log)}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval_s)
+    proc.kill()
+    raise SystemExit(f"the server was not healthy in {timeout_s:g} s:\n{_tail(log)}")
+
+
+def _tail(log: Path, chars: int = 3000) -> str:
+    try:
+        return log.read_text(errors="replace")[-chars:]
+    except OSError:
+        return f"(no log at {log})"
