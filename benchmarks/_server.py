@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
@@ -13,14 +13,14 @@ import httpx
 def wait_healthy(
     proc: subprocess.Popen[Any],
     base: str,
-    log: Path,
+    log: Path | IO[str],
     *,
     timeout_s: float = 300.0,
     interval_s: float = 0.5,
 ) -> None:
     """Return once ``GET {base}/health`` answers 200. ``SystemExit`` with the tail of ``log``
-    (the server's output) if the server exits first or is not healthy in ``timeout_s``; then
-    it is killed."""
+    (the server's output: a file's path, or the open file it writes to) if the server exits
+    first or is not healthy in ``timeout_s``; then it is killed."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -35,7 +35,13 @@ def wait_healthy(
     raise SystemExit(f"the server was not healthy in {timeout_s:g} s:\n{_tail(log)}")
 
 
-def _tail(log: Path, chars: int = 3000) -> str:
+def _tail(log: Path | IO[str], chars: int = 3000) -> str:
+    if not isinstance(log, Path):  # an open file the server writes to (maybe nameless)
+        log.flush()
+        log.seek(0)
+        text = log.read()
+        log.seek(0, 2)
+        return text[-chars:]
     try:
         return log.read_text(errors="replace")[-chars:]
     except OSError:

@@ -58,7 +58,7 @@ def _start(
     # The server logs every request: into a file, never a pipe nobody reads (a full pipe
     # would block the server).
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=log, text=True)
-    wait_healthy(proc, f"http://127.0.0.1:{port}", Path(log.name))
+    wait_healthy(proc, f"http://127.0.0.1:{port}", log)
     return proc
 
 

@@ -57,7 +57,7 @@ def _start(model: str | None, port: int, metrics_port: int, data: str, log: IO[s
         args.insert(4, model)
     env = {**os.environ, "LORAPLEX_ADMIN_TOKEN": ADMIN}
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=log, text=True)
-    wait_healthy(proc, f"http://127.0.0.1:{port}", Path(log.name))
+    wait_healthy(proc, f"http://127.0.0.1:{port}", log)
     return proc
 
 
