@@ -85,7 +85,9 @@ def run_one(system: str, args: argparse.Namespace, model_dir: str, loras: dict[s
         if not platform:
             argv.append("--no-platform")
         if loras:
-            argv += ["--lora-modules", *(f"{n}={p}" for n, p in loras.items())]
+            # as many adapters in one step as vLLM is given (--max-loras), on both sides
+            argv += ["--max-loras", str(len(loras)),
+                     "--lora-modules", *(f"{n}={p}" for n, p in loras.items())]  # fmt: skip
         admin = secrets.token_urlsafe(24)
         env["LORAPLEX_ADMIN_TOKEN"] = admin
     with log.open("wb") as out:
