@@ -67,6 +67,7 @@ def run_one(system: str, args: argparse.Namespace, model_dir: str, loras: dict[s
     log = tmp / f"{tag}.log"
     env = dict(os.environ)
     key = "none"
+    platform = False  # loraplex with tenants and keys (vLLM: never)
     if system == "vllm":
         env["VLLM_CPU_KVCACHE_SPACE"] = "2"
         argv = [args.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", model_dir,
