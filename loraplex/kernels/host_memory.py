@@ -72,35 +72,10 @@ def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 
 def zeros(shape: Sequence[int], dtype: torch.dtype, *, commit: bool = False) -> torch.Tensor:
     """``torch.zeros`` on the CPU, backed by huge pages as :func:`empty`. A fresh mapping is
-    zero already, and its pages are only committed as they are first written; ``commit`` writes
-    one byte of every page now, so that the memory is taken here (a host short of it fails now,
-    not in the middle of serving) and no later write pays for faulting a page in and zeroing it.
-    """
-    tensor = _mapped(shape, dtype, zero=True)
-    if commit and is_huge_backed(tensor):  # torch.zeros has written every page already
-        _commit(tensor)
-    return tensor
-
-
-def _commit(tensor: torch.Tensor) -> None:
-    """Fault in every page of a fresh mapping: one madvise(MADV_POPULATE_WRITE) (Linux 5.14
-    on; the kernel zero-fills without a fault per page), else one byte written per page."""
-    nbytes = tensor.numel() * tensor.element_size()
-    libc = _libc()
-    if libc is not None and libc.madvise(tensor.data_ptr(), nbytes, _MADV_POPULATE_WRITE) == 0:
-        return
-    tensor.view(-1).view(torch.uint8)[::_PAGE].zero_()  # [nbytes / _PAGE] bytes, all zero
-
-
-@cache
-def _libc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise.restype = ctypes.c_int
-    except (OSError, AttributeError):
-        return None
-    return libc
+    zero already, and its pages are only committed as they are first written; ``commit`` faults
+    them all in now, so that the memory is taken here (a host short of it fails now, not in the
+    middle of serving) and no later write pays for faulting a page in and zeroing it."""
+    return _mapped(shape, dtype, zero=True, commit=commit)
 
 
 def is_huge_backed(t: torch.Tensor) -> bool:
@@ -110,7 +85,9 @@ def is_huge_backed(t: torch.Tensor) -> bool:
     return isinstance(mapping, mmap.mmap) and t.untyped_storage().data_ptr() % HUGE_PAGE == 0
 
 
-def _mapped(shape: Sequence[int], dtype: torch.dtype, *, zero: bool) -> torch.Tensor:
+def _mapped(
+    shape: Sequence[int], dtype: torch.dtype, *, zero: bool, commit: bool = False
+) -> torch.Tensor:
     dims = tuple(int(d) for d in shape)
     numel = math.prod(dims)
     nbytes = numel * dtype.itemsize
@@ -125,6 +102,11 @@ def _mapped(shape: Sequence[int], dtype: torch.dtype, *, zero: bool) -> torch.Te
     with contextlib.suppress(OSError):  # without the advice it is still correct memory
         mapping.madvise(mmap.MADV_HUGEPAGE, offset, len(mapping) - offset)
     flat = torch.frombuffer(mapping, dtype=dtype, count=numel, offset=offset)
+    if commit:  # torch.zeros above has written every page already
+        try:  # Linux 5.14 on: the kernel zero-fills every page, without a fault per page
+            mapping.madvise(_MADV_POPULATE_WRITE, offset, nbytes)
+        except OSError:
+            flat.view(torch.uint8)[::_PAGE].zero_()  # one byte per page, all zero
     tensor = flat.view(dims)
     tensor._loraplex_mapping = mapping  # type: ignore[attr-defined]  # for is_huge_backed
     return tensor
