@@ -216,20 +216,20 @@ class Sampler:
         top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy, strict=True)]
         min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy, strict=True)]
 
-        truncate = (
-            any(p < 1.0 for p in top_p) or any(k < V for k in top_k) or any(m > 0.0 for m in min_p)
-        )
+        use_top_p = any(p < 1.0 for p in top_p)
+        use_top_k = any(k < V for k in top_k)
+        use_min_p = any(m > 0.0 for m in min_p)
         # 1 / T held inside fp32's normal range: a huge temperature is a uniform draw, not 0
         inv = [min(max(1.0 / t, 1e-30), 1e30) for t in temps]
         inv_temp = torch.tensor(inv, dtype=torch.float32, device=dev)  # [S]
-        if truncate:
+        if use_top_p or use_top_k or use_min_p:  # truncation reads the tempered logits
             logits = logits * inv_temp.unsqueeze(1)  # [S, V], owned from here
             inv_temp = torch.ones_like(inv_temp)
-            if any(p < 1.0 for p in top_p):
+            if use_top_p:
                 logits = _top_k_top_p_sorted(logits, top_k, top_p)
-            elif any(k < V for k in top_k):
+            elif use_top_k:
                 _top_k_only(logits, top_k)
-            if any(m > 0.0 for m in min_p):
+            if use_min_p:
                 # p_i < min_p * p_max <=> logit_i < logit_max + log(min_p)  (log(0) = -inf: no-op)
                 log_min_p = torch.tensor(
                     [math.log(m) if m > 0 else -math.inf for m in min_p], device=dev
