@@ -1,13 +1,21 @@
-"""Waiting for a server a benchmark started: one loop for every experiment here."""
+"""A server a benchmark starts: a port for it, and one loop that waits until it is healthy."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
 from pathlib import Path
 from typing import IO, Any
 
 import httpx
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a server started next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def wait_healthy(

@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,16 +35,10 @@ from typing import IO, Any
 
 import httpx
 
-from benchmarks._server import wait_healthy
+from benchmarks._server import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 HUGE = "hello world, this is a long prompt. " * 200_000  # 7.2 MB
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _start(
@@ -102,7 +95,7 @@ def main() -> int:
     parser.add_argument("model", nargs="?", help="model directory (default: the embedded one)")
     parser.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024)
     args = parser.parse_args()
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile("w+") as log:
         proc = _start(args.model, port, args.max_request_bytes, log)

@@ -38,16 +38,10 @@ from typing import IO, Any
 
 import httpx
 
-from benchmarks._server import wait_healthy
+from benchmarks._server import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN = "lpx-admin-scrape-bench-0123456789"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _start(model: str | None, port: int, metrics_port: int, data: str, log: IO[str]) -> Any:
@@ -186,7 +180,7 @@ def main() -> None:
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args()
 
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()
     base, url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
     with tempfile.TemporaryDirectory() as data, open(Path(data) / "serve.log", "w") as log:
         proc = _start(args.model, port, metrics_port, data, log)

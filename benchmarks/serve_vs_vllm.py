@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks._server import wait_healthy
+from benchmarks._server import free_port, wait_healthy
 from benchmarks.vllm_dtype import CHOICES, resolve_vllm_dtype
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,14 +41,6 @@ NAME = "SmolLM2-135M-Instruct"
 BENCH = ["--backend", "vllm", "--dataset-name", "random", "--random-input-len", "256",
          "--random-output-len", "128", "--num-prompts", "64", "--max-concurrency", "32",
          "--ignore-eos"]  # fmt: skip
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def platform_key(url: str, admin: str) -> str:

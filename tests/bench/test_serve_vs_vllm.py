@@ -12,29 +12,27 @@ from pathlib import Path
 import pytest
 
 from benchmarks.serve_vs_vllm import NAME, run_one
+from tests.utils.health_stub import HEALTH_SERVER
 
 # vllm.entrypoints.cli.main: `serve` answers /health; `bench serve` writes its result file.
-STUB_MAIN = """
-import http.server, json, os, sys
+STUB_MAIN = (
+    HEALTH_SERVER
+    + """
+import json, os, sys
 argv = sys.argv[1:]
 with open(os.environ["STUB_VLLM_RECORD"], "a") as f:
     f.write(json.dumps(argv) + "\\n")
 def flag(name):
     return argv[argv.index(name) + 1]
 if argv[0] == "serve":
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200 if self.path == "/health" else 404)
-            self.end_headers()
-        def log_message(self, *a):
-            pass
-    http.server.HTTPServer(("127.0.0.1", int(flag("--port"))), H).serve_forever()
+    serve_health(int(flag("--port")))
 elif argv[:2] == ["bench", "serve"] and "--save-result" in argv:
     result = {"output_throughput": 123.456, "median_ttft_ms": 10.04, "p99_ttft_ms": 20.06,
               "median_tpot_ms": 3.333, "completed": 64}
     with open(os.path.join(flag("--result-dir"), flag("--result-filename")), "w") as f:
         json.dump(result, f)
 """
+)
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import tempfile
@@ -10,29 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks._server import wait_healthy
+from benchmarks._server import free_port, wait_healthy
+from tests.utils.health_stub import HEALTH_SERVER
 
-HEALTH = """
-import http.server, sys
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
-        self.end_headers()
-    def log_message(self, *a):
-        pass
-print("serving", flush=True)
-http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
-"""
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+HEALTH = HEALTH_SERVER + "import sys\nserve_health(int(sys.argv[1]))\n"
 
 
 def test_returns_once_health_answers(tmp_path: Path) -> None:
-    port, log = _port(), tmp_path / "server.log"
+    port, log = free_port(), tmp_path / "server.log"
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-c", HEALTH, str(port)], stdout=out)
     try:
@@ -52,7 +36,7 @@ def test_a_server_that_exits_is_one_message_with_its_last_words(tmp_path: Path) 
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-c", EXITS], stdout=out)
     with pytest.raises(SystemExit, match=SAYS):
-        wait_healthy(proc, f"http://127.0.0.1:{_port()}", log, timeout_s=30, interval_s=0.05)
+        wait_healthy(proc, f"http://127.0.0.1:{free_port()}", log, timeout_s=30, interval_s=0.05)
     proc.wait()
 
 
@@ -60,7 +44,9 @@ def test_the_log_may_be_the_open_nameless_file_the_server_writes() -> None:
     with tempfile.TemporaryFile("w+") as log:  # as event_loop_latency's
         proc = subprocess.Popen([sys.executable, "-c", EXITS], stdout=log)
         with pytest.raises(SystemExit, match=SAYS):
-            wait_healthy(proc, f"http://127.0.0.1:{_port()}", log, timeout_s=30, interval_s=0.05)
+            wait_healthy(
+                proc, f"http://127.0.0.1:{free_port()}", log, timeout_s=30, interval_s=0.05
+            )
         proc.wait()
 
 
@@ -68,6 +54,6 @@ def test_a_server_never_healthy_is_killed(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", "import time; print('slow'); time.sleep(60)"],
                             stdout=(tmp_path / "s.log").open("w"))  # fmt: skip
     with pytest.raises(SystemExit, match=r"not healthy in 0.3 s"):
-        wait_healthy(proc, f"http://127.0.0.1:{_port()}", tmp_path / "s.log", timeout_s=0.3,
+        wait_healthy(proc, f"http://127.0.0.1:{free_port()}", tmp_path / "s.log", timeout_s=0.3,
                      interval_s=0.05)  # fmt: skip
     assert proc.wait(10) != 0
